@@ -1,0 +1,106 @@
+"""The kernel-provider interface: what a backend implements so core's transformer runs on it.
+
+The transformer (bitnet.model) is written once against this class. Handles returned by a
+provider are opaque to core: a NumPy array for the CPU, a device buffer for a GPU. Weights
+are uploaded once at load; activations stay as handles between operations; only `to_host`
+and `argmax` bring data back, and each of them waits for exactly the work it reads.
+
+Activations are 2-D: [n_tokens, width], float32 semantics. Every operation a provider
+runs must be recorded with `self.record(kernel_name)` as it is dispatched: receipts list
+these names, so they are evidence of what ran, never a fixed list.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from .ternary import TernaryMatrix
+
+ACT_QUANT_MODES = ("row", "block256", "none")
+ACTIVATIONS = ("silu", "relu2")
+
+
+class KernelProvider(ABC):
+    """One opened device of one backend."""
+
+    def __init__(self, backend: str, device: Any) -> None:
+        self.backend = backend
+        self.device = device
+        self.dispatches: Counter[str] = Counter()
+
+    def record(self, kernel: str, count: int = 1) -> None:
+        self.dispatches[kernel] += count
+
+    # -- memory ---------------------------------------------------------------------------
+    @abstractmethod
+    def upload_ternary(self, w: TernaryMatrix) -> Any:
+        """Make a ternary projection resident; repack to the device's layout here, once."""
+
+    @abstractmethod
+    def upload_float(self, a: np.ndarray) -> Any:
+        """Make a float tensor resident (norm weights F32; embedding / LM head F16 or F32)."""
+
+    @abstractmethod
+    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int) -> Any:
+        """Allocate the K and V cache for every layer."""
+
+    @abstractmethod
+    def to_host(self, x: Any) -> np.ndarray:
+        """Copy an activation back as float32 [n, width], after the work that writes it."""
+
+    def close(self) -> None:
+        """Release device memory. Idempotent."""
+
+    # -- operations ----------------------------------------------------------------------------
+    @abstractmethod
+    def embed(self, table: Any, ids: np.ndarray) -> Any:
+        """Rows `ids` (int32 [n]) of an uploaded [vocab, dim] table, as float32 [n, dim]."""
+
+    @abstractmethod
+    def rmsnorm(self, x: Any, w: Any, eps: float) -> Any:
+        """x / sqrt(mean(x^2) + eps) * w, per row."""
+
+    @abstractmethod
+    def bitlinear(self, x: Any, w: Any, act_quant: str) -> Any:
+        """x [n, cols] times ternary w [rows, cols] transposed -> [n, rows].
+
+        act_quant "row": per row s = 127/max|x|, q = clamp(rint(x*s), -128, 127) (round half
+        to even), y = sum(q*t) * scale / s in integer arithmetic within each block.
+        "block256": llama.cpp's Q8_K, per 256 values: v = the value of largest magnitude,
+        iscale = -127/v, q = rint(x*iscale), y = sum over blocks of d_w * (1/iscale) * sum(q*t).
+        "none": float x times the ternary values times their scale.
+        """
+
+    @abstractmethod
+    def rope(self, x: Any, n_heads: int, head_dim: int, pos0: int, theta: float) -> Any:
+        """NEOX rotary embedding (rotate halves) of [n, n_heads*head_dim]; row i is position pos0+i."""
+
+    @abstractmethod
+    def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, pos0: int,
+                  n_heads: int, n_kv_heads: int, head_dim: int) -> Any:
+        """Store k, v at positions pos0.. of `layer` in the cache, then causal grouped-query
+        attention of q over positions 0..pos0+i for row i, scale 1/sqrt(head_dim)."""
+
+    @abstractmethod
+    def act_mul(self, gate: Any, up: Any, act: str) -> Any:
+        """act(gate) * up with act "silu" (x*sigmoid(x)) or "relu2" (max(x,0)^2)."""
+
+    @abstractmethod
+    def add(self, a: Any, b: Any) -> Any:
+        """a + b (the residual)."""
+
+    @abstractmethod
+    def last_row(self, x: Any) -> Any:
+        """The last row of x as [1, width] (prefill needs logits of the last position only)."""
+
+    @abstractmethod
+    def lm_head(self, x: Any, table: Any) -> Any:
+        """x [n, dim] times the uploaded [vocab, dim] table transposed -> logits [n, vocab]."""
+
+    @abstractmethod
+    def argmax(self, logits: Any) -> np.ndarray:
+        """Index of the largest logit of each row (first on ties), on the host as int64 [n]."""

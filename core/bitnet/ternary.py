@@ -1,0 +1,74 @@
+"""The one in-memory layout of ternary weights that every kernel provider receives.
+
+Rows of 256-value blocks. Each block is 64 bytes laid out as TQ2_0's `qs`: value e of a
+block sits in byte 32*(e//128) + e%32 at bit shift 2*((e%128)//32); code c in {0,1,2}
+means c-1. A TQ2_0 tensor therefore becomes this layout by dropping its per-block `d`
+(kept in `scales`), and I2_S by reversing the order of the four codes in each byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 256
+BYTES_PER_BLOCK = BLOCK // 4
+
+
+@dataclass(frozen=True)
+class TernaryMatrix:
+    """A [rows, cols] ternary matrix: value = (code - 1) * scales[row, col // 256]."""
+
+    codes: np.ndarray  # uint8 [rows, cols // 4]
+    scales: np.ndarray  # float32 [rows, cols // 256]
+
+    @property
+    def rows(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def cols(self) -> int:
+        return int(self.codes.shape[1]) * 4
+
+    @property
+    def row_scales(self) -> np.ndarray | None:
+        """One scale per row when every block of the row shares it, else None."""
+        first = self.scales[:, :1]
+        return first[:, 0].copy() if np.array_equal(self.scales, np.broadcast_to(first, self.scales.shape)) else None
+
+    def values(self) -> np.ndarray:
+        """The ternary values t in {-1, 0, 1} as int8 [rows, cols] (tests and reference only)."""
+        return unpack_codes(self.codes)
+
+    def dequantize(self) -> np.ndarray:
+        """Float32 [rows, cols]: t times its block scale (tests and reference only)."""
+        t = self.values().astype(np.float32).reshape(self.rows, -1, BLOCK)
+        return (t * self.scales[:, :, None]).reshape(self.rows, self.cols)
+
+
+def pack_values(t: np.ndarray) -> np.ndarray:
+    """int8 [rows, cols] in {-1,0,1} -> uint8 codes [rows, cols // 4] in the canonical layout."""
+    rows, cols = t.shape
+    if cols % BLOCK:
+        raise ValueError(f"ternary rows need a multiple of {BLOCK} columns, got {cols}")
+    c = (t.astype(np.int16) + 1).astype(np.uint8).reshape(rows, cols // 128, 4, 32)
+    packed = c[:, :, 0] | (c[:, :, 1] << 2) | (c[:, :, 2] << 4) | (c[:, :, 3] << 6)
+    return packed.reshape(rows, cols // 4)
+
+
+def unpack_codes(codes: np.ndarray) -> np.ndarray:
+    """Inverse of pack_values."""
+    rows, nbytes = codes.shape
+    q = codes.reshape(rows, nbytes // 32, 1, 32)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    c = (q >> shifts) & 3
+    return (c.astype(np.int8) - 1).reshape(rows, nbytes * 4)
+
+
+def from_values(t: np.ndarray, scale: float | np.ndarray) -> TernaryMatrix:
+    """A TernaryMatrix from int8 values and a per-tensor, per-row or per-block scale."""
+    rows, cols = t.shape
+    scales = np.broadcast_to(np.asarray(scale, dtype=np.float32).reshape(-1, 1) if np.ndim(scale) == 1
+                             else np.asarray(scale, dtype=np.float32), (rows, cols // BLOCK))
+    return TernaryMatrix(pack_values(t), np.ascontiguousarray(scales))
