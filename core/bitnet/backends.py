@@ -1,0 +1,72 @@
+"""What a plugin declares: backends, the devices their probe finds, and why none were found."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .kernels import KernelProvider
+
+PRIORITY_CPU = 10
+PRIORITY_OPENCL = 50
+PRIORITY_CUDA = 100
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device a backend can run on. Fields a backend cannot know stay None."""
+
+    backend: str
+    index: int
+    name: str
+    vendor: str = ""
+    memory_bytes: int | None = None
+    compute_units: int | None = None
+    compute_capability: str | None = None
+    fp16: bool | None = None
+    bf16: bool | None = None
+    properties: dict[str, Any] = field(default_factory=dict)
+    fake: bool = False
+    kind: str | None = None  # when it differs from the backend's (an OpenCL CPU device is "cpu")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Devices found, or the human-readable reason none is usable."""
+
+    devices: tuple[Device, ...] = ()
+    reason: str | None = None
+
+    @classmethod
+    def unavailable(cls, reason: str) -> ProbeResult:
+        return cls((), reason)
+
+    @property
+    def available(self) -> bool:
+        return bool(self.devices)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend a plugin provides.
+
+    `probe` must be cheap and must not raise for an expected absence (no driver, no device):
+    it returns ProbeResult.unavailable(reason). `open(device)` returns the KernelProvider.
+    Priority scale: cpu 10, opencl 50, cuda 100; higher wins, ties broken by name.
+    """
+
+    name: str
+    kind: str
+    priority: int
+    probe: Callable[[], ProbeResult]
+    open: Callable[[Device], KernelProvider]
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+
+    def sort_key(self) -> tuple[int, str]:
+        return (-self.priority, self.name)

@@ -1,0 +1,127 @@
+"""Request -> detection -> selection (DESIGN.md section 3).
+
+A request is `auto`, `gpu`, a backend name or alias with an optional `:index`, or an
+ordered list of those separated by commas. An explicit request never falls back silently.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .backends import Backend, Device
+from .errors import NoBackendError, UsageError
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from .kernels import KernelProvider
+
+
+@dataclass
+class Selection:
+    requested: str
+    detected: list[Backend]
+    backend: Backend | None = None
+    device: Device | None = None
+    explicit_index: bool = False
+    error: str | None = None
+    registry: Registry | None = field(default=None, repr=False)
+
+    @property
+    def selected(self) -> str:
+        if self.backend is None or self.device is None:
+            return "none"
+        return f"{self.backend.name}:{self.device.index}" if self.explicit_index else self.backend.name
+
+    @property
+    def summary(self) -> str:
+        names = ",".join(b.name for b in self.detected)
+        return f"requested={self.requested} detected=[{names}] selected={self.selected}"
+
+    def require(self) -> Selection:
+        if self.backend is None:
+            raise NoBackendError(self.error or "no backend selected")
+        return self
+
+    def open(self) -> KernelProvider:
+        """Open the selected device's kernel provider; a fake device cannot compute."""
+        self.require()
+        assert self.backend is not None and self.device is not None
+        if self.device.fake:
+            raise NoBackendError(
+                f"{self.selected} is a fake device (BITNET_GPU_FAKE): it can be selected but cannot run a model")
+        return self.backend.open(self.device)
+
+
+def request_from_env(request: str | None) -> str:
+    """--device, else BITNET_DEVICE, else auto."""
+    value = request if request is not None else os.environ.get("BITNET_DEVICE") or "auto"
+    return value.strip().lower()
+
+
+def parse_request(request: str) -> list[tuple[str, int | None]]:
+    """`cuda:1,opencl,cpu` -> [("cuda", 1), ("opencl", None), ("cpu", None)]."""
+    items: list[tuple[str, int | None]] = []
+    for part in request.split(","):
+        token, sep, index = part.strip().partition(":")
+        if not token:
+            raise UsageError(f"invalid device request {request!r}: empty backend name")
+        if sep and not index.isdigit():
+            raise UsageError(f"invalid device request {part.strip()!r}: the index after ':' must be a number")
+        items.append((token, int(index) if sep else None))
+    return items
+
+
+def _gpu_devices(registry: Registry, backend: Backend) -> tuple[Device, ...]:
+    return tuple(d for d in registry.probe(backend.name).devices if (d.kind or backend.kind) == "gpu")
+
+
+def _reason(registry: Registry, backend: Backend) -> str:
+    probe = registry.probe(backend.name)
+    if probe.devices:
+        kinds = sorted({d.kind or backend.kind for d in probe.devices})
+        return f"{backend.name}: no GPU device (its devices are {','.join(kinds)})"
+    return f"{backend.name}: {probe.reason}"
+
+
+def select(request: str | None = None, registry: Registry | None = None) -> Selection:
+    """Resolve a request. The returned Selection has backend None (and an error) if unmet."""
+    registry = registry or Registry()
+    requested = request_from_env(request)
+    items = parse_request(requested)
+    detected = registry.detected()
+    sel = Selection(requested, detected, registry=registry)
+    problems: list[str] = []
+    for token, index in items:
+        if token == "auto" or token == "gpu":
+            pool = [b for b in detected if token == "auto" or _gpu_devices(registry, b)]
+            if not pool:
+                considered = [b for b in registry.backends() if token == "auto" or b.kind == "gpu"]
+                problems.extend(_reason(registry, b) for b in considered)
+                if not considered:
+                    problems.append(f"{token}: no {'GPU ' if token == 'gpu' else ''}backend is installed")
+                continue
+            candidates = pool[:1]
+        else:
+            candidates = registry.resolve(token)
+            if not candidates:
+                known = ", ".join(b.name for b in registry.backends()) or "none"
+                problems.append(f"{token}: no installed backend has that name (installed: {known})")
+                continue
+        for backend in candidates:
+            devices = registry.probe(backend.name).devices
+            if token == "gpu":
+                devices = _gpu_devices(registry, backend)
+            if not devices:
+                problems.append(_reason(registry, backend))
+                continue
+            if index is not None and index >= len(devices):
+                problems.append(f"{backend.name}:{index}: {backend.name} has {len(devices)} device(s), "
+                                f"index 0..{len(devices) - 1}")
+                continue
+            sel.backend, sel.device, sel.explicit_index = backend, devices[index or 0], index is not None
+            return sel
+    found = ",".join(b.name for b in detected)
+    sel.error = f"no backend satisfies --device {requested}: found [{found}]; " + "; ".join(problems)
+    return sel

@@ -1,0 +1,51 @@
+"""bitnet-cpu: the CPU backend, registered through the same entry point a third party uses."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from bitnet import hookimpl
+from bitnet.backends import PRIORITY_CPU, Backend, Device, ProbeResult
+
+__version__ = "0.1.0"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def threads() -> int:
+    """BITNET_NUM_THREADS, else the cores this process may run on."""
+    env = os.environ.get("BITNET_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def probe() -> ProbeResult:
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    return ProbeResult((Device("cpu", 0, _cpu_name(), vendor=platform.machine(), memory_bytes=memory,
+                               compute_units=threads(), properties={"threads": threads()}),))
+
+
+def open_device(device: Device):
+    from .provider import CpuProvider
+
+    return CpuProvider(device=device)
+
+
+@hookimpl
+def bitnet_backends() -> list[Backend]:
+    return [Backend("cpu", "cpu", PRIORITY_CPU, probe, open_device, aliases=("host", "numpy"),
+                    description="NumPy on the host CPU")]

@@ -1,0 +1,67 @@
+"""Find OpenCL devices with PyOpenCL, or say precisely why there are none."""
+
+from __future__ import annotations
+
+import os
+
+from bitnet.backends import Device, ProbeResult
+
+
+def _props(dev, platform) -> dict:
+    import pyopencl as cl
+
+    ext = dev.extensions.split()
+    props = {
+        "platform": platform.name.strip(), "platform_version": platform.version.strip(),
+        "driver_version": dev.driver_version, "opencl_version": dev.version,
+        "max_work_group_size": dev.max_work_group_size, "local_memory_bytes": dev.local_mem_size,
+        "max_clock_mhz": dev.max_clock_frequency, "type": cl.device_type.to_string(dev.type),
+        "integer_dot_product": "cl_khr_integer_dot_product" in ext,
+        "subgroups": "cl_khr_subgroups" in ext or "cl_intel_subgroups" in ext,
+    }
+    try:
+        props["sub_group_sizes"] = list(dev.sub_group_sizes_intel)
+    except Exception:  # only Intel drivers answer this query
+        pass
+    return props
+
+
+def probe() -> ProbeResult:
+    try:
+        import pyopencl as cl
+    except Exception as exc:
+        return ProbeResult.unavailable(f"pyopencl is not importable ({type(exc).__name__}: {exc})")
+    try:
+        platforms = cl.get_platforms()
+    except Exception as exc:
+        return ProbeResult.unavailable(
+            f"no OpenCL platform: {exc} (no ICD installed? `pip install pocl-binary-distribution` gives a CPU one)")
+    wanted = os.environ.get("BITNET_OPENCL_PLATFORM", "").strip().lower()
+    if wanted:
+        names = [p.name.strip() for p in platforms]
+        platforms = [p for p in platforms if wanted in p.name.lower()]
+        if not platforms:
+            return ProbeResult.unavailable(
+                f"BITNET_OPENCL_PLATFORM={wanted!r} matches no platform (platforms: {', '.join(names) or 'none'})")
+    devices: list[Device] = []
+    errors: list[str] = []
+    for p_index, platform in enumerate(cl.get_platforms()):
+        if platform not in platforms:
+            continue
+        try:
+            found = platform.get_devices()
+        except Exception as exc:
+            errors.append(f"{platform.name.strip()}: {exc}")
+            continue
+        for d_index, dev in enumerate(found):
+            ext = dev.extensions.split()
+            is_gpu = bool(dev.type & cl.device_type.GPU)
+            props = _props(dev, platform) | {"platform_index": p_index, "device_index": d_index}
+            devices.append(Device(
+                "opencl", len(devices), dev.name.strip(), vendor=dev.vendor.strip(),
+                memory_bytes=dev.global_mem_size, compute_units=dev.max_compute_units,
+                fp16="cl_khr_fp16" in ext, bf16=None, properties=props, kind="gpu" if is_gpu else "cpu"))
+    if not devices:
+        detail = f" ({'; '.join(errors)})" if errors else ""
+        return ProbeResult.unavailable("the OpenCL platforms have no device" + detail)
+    return ProbeResult(tuple(devices))

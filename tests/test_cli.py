@@ -1,0 +1,98 @@
+"""bitnet-select end to end, discovering the installed plugins through their real entry points."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import cli_env, run_cli
+
+
+def test_summary_line_for_cpu():
+    r = run_cli("--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("requested=cpu detected=[")
+    assert r.stdout.strip().endswith("cpu] selected=cpu")
+
+
+def test_summary_format_is_exact_with_bundled_plugins():
+    r = run_cli(env=cli_env(BITNET_DISABLE_PLUGINS="opencl,example"))
+    assert r.stdout == "requested=auto detected=[cpu] selected=cpu\n"
+
+
+def test_unmet_request_exits_3_with_the_reason():
+    r = run_cli("--device", "cuda", env=cli_env(BITNET_DISABLE_PLUGINS="example"))
+    assert r.returncode == 3
+    assert r.stdout.strip().endswith("selected=none")
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no backend satisfies --device cuda")
+    assert "cuda: pycuda is not installed" in err[0]
+
+
+def test_env_request_and_flag_precedence():
+    env = cli_env(BITNET_DEVICE="cpu")
+    assert run_cli(env=env).stdout.startswith("requested=cpu ")
+    assert run_cli("--device", "auto", env=env).stdout.startswith("requested=auto ")
+
+
+def test_fake_cuda_is_detected_and_selected_but_cannot_run():
+    env = cli_env(BITNET_GPU_FAKE="cuda")
+    r = run_cli("--device", "cuda", env=env)
+    assert r.returncode == 0 and r.stdout.startswith("requested=cuda detected=[cuda,") and "selected=cuda" in r.stdout
+    r = run_cli("--device", "cuda", "run", "--prompt", "hi", env=env)
+    assert r.returncode == 3 and "fake device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_strict_mode_ignores_fake_through_the_cli():
+    r = run_cli("--device", "cuda", env=cli_env(BITNET_GPU_FAKE="cuda", BITNET_STRICT_MODE="1"))
+    assert r.returncode == 3
+    assert "detected=[cuda" not in r.stdout and "pycuda is not installed" in r.stderr
+
+
+def test_malformed_request_is_a_usage_error():
+    r = run_cli("--device", "cuda:x")
+    assert r.returncode == 2 and r.stderr.startswith("error: invalid device request")
+
+
+def test_devices_json_parses_and_lists_every_backend():
+    r = run_cli("devices", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    by_backend = {row["backend"]: row for row in rows}
+    assert {"cpu", "cuda"} <= set(by_backend)
+    assert by_backend["cpu"]["available"] and by_backend["cpu"]["device"]["memory_bytes"] > 0
+    assert not by_backend["cuda"]["available"] and "pycuda" in by_backend["cuda"]["reason"]
+    assert [row["priority"] for row in rows] == sorted((row["priority"] for row in rows), reverse=True)
+
+
+def test_devices_table():
+    r = run_cli("devices")
+    assert r.returncode == 0
+    assert r.stdout.splitlines()[0].split()[:3] == ["BACKEND", "IDX", "DEVICE"]
+    assert "unavailable: pycuda is not installed" in r.stdout
+
+
+def test_plugins_json():
+    r = run_cli("plugins", "--json")
+    infos = {p["name"]: p for p in json.loads(r.stdout)}
+    assert infos["cpu"]["distribution"] == "bitnet-cpu" and infos["cpu"]["status"] == "loaded"
+    assert infos["cpu"]["backends"] == ["cpu"] and infos["cuda"]["backends"] == ["cuda"]
+
+
+def test_disabled_plugin_is_listed_as_disabled():
+    r = run_cli("plugins", "--json", env=cli_env(BITNET_DISABLE_PLUGINS="bitnet-cuda"))
+    infos = {p["name"]: p for p in json.loads(r.stdout)}
+    assert infos["cuda"]["status"] == "disabled"
+    assert "cuda" not in run_cli("devices", env=cli_env(BITNET_DISABLE_PLUGINS="cuda")).stdout.split()
+
+
+def test_version_and_help():
+    r = run_cli("--version")
+    assert r.returncode == 0 and "bitnet-select, version" in r.stdout
+    for args in (["--help"], ["devices", "--help"], ["plugins", "--help"], ["run", "--help"]):
+        r = run_cli(*args)
+        assert r.returncode == 0 and "Usage:" in r.stdout
+    assert "Exit codes" in run_cli("--help").stdout
+
+
+def test_unknown_command_is_usage_error():
+    assert run_cli("frobnicate").returncode == 2

@@ -1,0 +1,103 @@
+"""Third-party plugins seen through real packaging metadata, never monkeypatched."""
+
+from __future__ import annotations
+
+import json
+import site
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cli_env, run_cli
+
+
+@pytest.fixture(scope="module")
+def example_venv(tmp_path_factory) -> Path:
+    """A virtual environment with bitnet-example installed by pip, on top of this environment."""
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    query = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = subprocess.run([str(venv / "bin/python"), "-c", query],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # Reuse this environment's packages (bitnet-core and its dependencies) without reinstalling them.
+    parents = [p for p in site.getsitepackages() + [site.getusersitepackages()] if Path(p).is_dir()]
+    (Path(purelib) / "_parent_env.pth").write_text(
+        "".join(f"import site; site.addsitedir({p!r})\n" for p in parents))
+    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-deps",
+                    str(ROOT / "examples/bitnet-example")], check=True, capture_output=True)
+    return venv
+
+
+def test_example_plugin_is_discovered_selected_and_listed(example_venv):
+    py = str(example_venv / "bin/python")
+    env = cli_env(BITNET_DISABLE_PLUGINS="opencl")
+    r = run_cli("--device", "example", python=py, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "requested=example detected=[cpu,example] selected=example\n"
+    assert run_cli("--device", "ex", python=py, env=env).stdout.endswith("selected=example\n")
+    plugins = {p["name"]: p for p in json.loads(run_cli("plugins", "--json", python=py, env=env).stdout)}
+    assert plugins["example"]["distribution"] == "bitnet-example"
+    assert plugins["example"]["version"] == "0.2.0" and plugins["example"]["backends"] == ["example"]
+    devices = json.loads(run_cli("devices", "--json", python=py, env=env).stdout)
+    assert any(d["backend"] == "example" and d["available"] for d in devices)
+    # The plain environment does not have it: discovery really reads installed metadata.
+    assert "example" not in json.dumps(json.loads(run_cli("plugins", "--json", env=env).stdout))
+
+
+def fake_distribution(root: Path, dist: str, version: str, module: str, code: str) -> dict[str, str]:
+    """A dist-info with a real entry_points.txt on a PYTHONPATH entry, as pip would leave it."""
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[bitnet.backends]\n{module} = {module}\n")
+    (root / f"{module}.py").write_text(textwrap.dedent(code))
+    return cli_env(PYTHONPATH=str(root), BITNET_DISABLE_PLUGINS="opencl")
+
+
+def test_plugin_that_fails_to_import_is_isolated_and_reported(tmp_path):
+    env = fake_distribution(tmp_path, "bitnet-broken", "1.2.3", "broken_backend",
+                            "raise ImportError('needs libfoo.so')\n")
+    r = run_cli("plugins", "--json", env=env)
+    infos = {p["name"]: p for p in json.loads(r.stdout)}
+    broken = infos["broken_backend"]
+    assert (broken["distribution"], broken["version"], broken["status"]) == ("bitnet-broken", "1.2.3", "failed")
+    assert "needs libfoo.so" in broken["error"]
+    assert run_cli("--device", "cpu", env=env).stdout.endswith("selected=cpu\n")
+    strict = dict(env, BITNET_PLUGINS_STRICT="1")
+    r = run_cli("--device", "cpu", env=strict)
+    assert r.returncode == 1 and "bitnet-broken 1.2.3" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path):
+    env = fake_distribution(tmp_path, "bitnet-impostor", "0.1", "impostor", """
+        import bitnet
+        from bitnet.backends import Backend, ProbeResult
+
+        @bitnet.hookimpl
+        def bitnet_backends():
+            return [Backend("cpu", "cpu", 10, lambda: ProbeResult.unavailable("no"), lambda d: None)]
+        """)
+    r = run_cli("--device", "cpu", env=env)
+    assert r.returncode == 1
+    assert "claimed by both" in r.stderr and "bitnet-cpu" in r.stderr and "bitnet-impostor" in r.stderr
+
+
+def test_probe_raising_in_a_real_plugin_is_isolated(tmp_path):
+    env = fake_distribution(tmp_path, "bitnet-flaky", "0.3", "flaky", """
+        import bitnet
+        from bitnet.backends import Backend
+
+        def probe():
+            raise OSError("driver exploded")
+
+        @bitnet.hookimpl
+        def bitnet_backends():
+            return [Backend("flaky", "gpu", 500, probe, lambda d: None)]
+        """)
+    r = run_cli("devices", "--json", env=env)
+    rows = {row["backend"]: row for row in json.loads(r.stdout)}
+    assert "driver exploded" in rows["flaky"]["reason"] and "bitnet-flaky 0.3" in rows["flaky"]["reason"]
+    assert run_cli(env=env).stdout.endswith("selected=cpu\n")
