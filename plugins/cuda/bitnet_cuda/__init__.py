@@ -9,10 +9,11 @@ from bitnet.errors import NoBackendError
 __version__ = "0.1.0"
 
 
-def probe():
-    from .probe import probe as run
+def find_devices():
+    # Imported on use: pyopencl / pycuda load only when a probe runs.
+    from .probe import probe
 
-    return run()
+    return probe()
 
 
 def open_device(device: Device):
@@ -22,5 +23,5 @@ def open_device(device: Device):
 
 @hookimpl
 def bitnet_backends() -> list[Backend]:
-    return [Backend("cuda", "gpu", PRIORITY_CUDA, probe, open_device, aliases=("nvidia",),
+    return [Backend("cuda", "gpu", PRIORITY_CUDA, find_devices, open_device, aliases=("nvidia",),
                     description="PyCUDA kernels from the shared portable source")]

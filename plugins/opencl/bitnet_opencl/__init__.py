@@ -10,10 +10,11 @@ from bitnet.backends import PRIORITY_OPENCL, Backend, Device
 __version__ = "0.1.0"
 
 
-def probe():
-    from .probe import probe as run
+def find_devices():
+    # Imported on use: pyopencl / pycuda load only when a probe runs.
+    from .probe import probe
 
-    return run()
+    return probe()
 
 
 def open_device(device: Device):
@@ -24,7 +25,7 @@ def open_device(device: Device):
 
 @hookimpl
 def bitnet_backends() -> list[Backend]:
-    return [Backend("opencl", "gpu", PRIORITY_OPENCL, probe, open_device, aliases=("ocl", "cl"),
+    return [Backend("opencl", "gpu", PRIORITY_OPENCL, find_devices, open_device, aliases=("ocl", "cl"),
                     description="PyOpenCL kernels from the shared portable source")]
 
 

@@ -1,0 +1,136 @@
+"""Conformance kit for backend authors.
+
+Run it against your plugin from your own test suite::
+
+    # tests/test_bitnet_conformance.py
+    import pytest
+    from bitnet.testing.suite import *  # noqa: F401,F403  (the tests)
+
+    @pytest.fixture(params=["mybackend"])
+    def backend_name(request):
+        return request.param
+
+The checks are also plain functions (`check_probe`, `check_selection`, `check_provider`)
+that raise AssertionError with a message saying what broke the contract.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import numpy as np
+
+from ..backends import Backend, Device, ProbeResult
+from ..kernels import KernelProvider
+from ..registry import Registry
+from ..selection import select
+from ..ternary import from_values
+
+NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+def check_probe(backend: Backend, max_seconds: float = 10.0) -> ProbeResult:
+    """The probe contract: cheap, never raises, devices indexed 0..n-1, or a reason."""
+    assert NAME.match(backend.name), f"backend name {backend.name!r} must be lower-case [a-z0-9_-]"
+    for alias in backend.aliases:
+        assert NAME.match(alias), f"alias {alias!r} must be lower-case [a-z0-9_-]"
+    assert isinstance(backend.priority, int), "priority must be an int (cpu 10, opencl 50, cuda 100)"
+    assert backend.kind, "kind must be set ('gpu', 'cpu', ...)"
+    start = time.perf_counter()
+    result = backend.probe()
+    elapsed = time.perf_counter() - start
+    assert isinstance(result, ProbeResult), f"probe returned {type(result).__name__}, not ProbeResult"
+    assert elapsed < max_seconds, f"probe took {elapsed:.1f} s; it must be cheap"
+    if not result.devices:
+        assert result.reason, "a probe that finds no device must say why"
+    for i, d in enumerate(result.devices):
+        assert isinstance(d, Device), f"device {i} is {type(d).__name__}, not Device"
+        assert d.index == i, f"device indices must be 0..n-1, got {d.index} at position {i}"
+        assert d.backend == backend.name, f"device {i} names backend {d.backend!r}, not {backend.name!r}"
+        assert d.name, f"device {i} has no name"
+    return result
+
+
+def check_selection(name: str, registry: Registry | None = None) -> None:
+    """The backend is selectable by its name, each alias and name:index; beyond the last index it is not."""
+    registry = registry or Registry()
+    backend = registry.entries[name].backend
+    devices = registry.probe(name).devices
+    for token in (backend.name, *backend.aliases):
+        sel = select(token, registry)
+        if devices:
+            assert sel.backend is backend, f"--device {token} selected {sel.selected}, not {name}"
+        else:
+            assert sel.backend is None, f"--device {token} selected {sel.selected} though {name} has no device"
+    for d in devices:
+        assert select(f"{name}:{d.index}", registry).device == d
+    assert select(f"{name}:{len(devices)}", registry).backend is None, "an index past the last device was accepted"
+
+
+def _random_case(rng: np.random.Generator, n: int, rows: int, cols: int) -> tuple[np.ndarray, Any]:
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    t = rng.integers(-1, 2, size=(rows, cols)).astype(np.int8)
+    scales = rng.uniform(0.5, 2.0, size=(rows, cols // 256)).astype(np.float32)
+    return x, from_values(t, scales)
+
+
+def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) -> None:
+    """Every kernel against the NumPy reference on random inputs, within rtol of the largest value."""
+    from ..reference import ReferenceProvider
+
+    ref = ReferenceProvider()
+    rng = np.random.default_rng(seed)
+
+    def same(op: str, got: Any, want: Any) -> None:
+        got_h, want_h = provider.to_host(got), ref.to_host(want)
+        assert got_h.shape == want_h.shape, f"{op}: shape {got_h.shape}, reference {want_h.shape}"
+        scale = max(float(np.abs(want_h).max()), 1e-6)
+        err = float(np.abs(got_h - want_h).max()) / scale
+        assert err <= rtol, f"{op}: max error {err:.2e} of the largest value exceeds {rtol:.0e}"
+
+    def both(method: str, *args: Any, **kw: Any) -> tuple[Any, Any]:
+        def up(p: KernelProvider, a: Any) -> Any:
+            return p.upload_float(a) if isinstance(a, np.ndarray) else a
+
+        return (getattr(provider, method)(*(up(provider, a) for a in args), **kw),
+                getattr(ref, method)(*(up(ref, a) for a in args), **kw))
+
+    dim, heads, kv_heads, head_dim, vocab = 256, 4, 2, 64, 300
+    table = rng.standard_normal((vocab, dim)).astype(np.float16)
+    ids = rng.integers(0, vocab, size=5).astype(np.int32)
+    got, want = provider.embed(provider.upload_float(table), ids), ref.embed(ref.upload_float(table), ids)
+    same("embed", got, want)
+    for n in (1, 7):
+        x = rng.standard_normal((n, dim)).astype(np.float32)
+        w = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+        xg, xr = provider.upload_float(x), ref.upload_float(x)
+        same("rmsnorm", provider.rmsnorm(xg, provider.upload_float(w), 1e-5), ref.rmsnorm(xr, ref.upload_float(w), 1e-5))
+        same("rope", provider.rope(xg, heads, head_dim, 3, 10000.0), ref.rope(xr, heads, head_dim, 3, 10000.0))
+        y = rng.standard_normal((n, dim)).astype(np.float32)
+        yg, yr = provider.upload_float(y), ref.upload_float(y)
+        same("add", provider.add(xg, yg), ref.add(xr, yr))
+        for act in ("silu", "relu2"):
+            same(f"act_mul[{act}]", provider.act_mul(xg, yg, act), ref.act_mul(xr, yr, act))
+        same("last_row", provider.last_row(xg), ref.last_row(xr))
+        same("lm_head", provider.lm_head(xg, provider.upload_float(table)), ref.lm_head(xr, ref.upload_float(table)))
+        got_arg = provider.argmax(provider.lm_head(xg, provider.upload_float(table)))
+        want_arg = ref.argmax(ref.lm_head(xr, ref.upload_float(table)))
+        assert list(got_arg) == list(want_arg), f"argmax: {list(got_arg)} != reference {list(want_arg)}"
+        xq, w3 = _random_case(rng, n, 384, 512)
+        for mode in ("row", "block256", "none"):
+            same(f"bitlinear[{mode}]", provider.bitlinear(provider.upload_float(xq), provider.upload_ternary(w3), mode),
+                 ref.bitlinear(ref.upload_float(xq), ref.upload_ternary(w3), mode))
+    # Attention: a prefill of 5 positions then two decode steps through the KV cache.
+    caches = provider.kv_cache(2, 16, kv_heads, head_dim), ref.kv_cache(2, 16, kv_heads, head_dim)
+    pos = 0
+    for n in (5, 1, 1):
+        q = rng.standard_normal((n, heads * head_dim)).astype(np.float32)
+        k = rng.standard_normal((n, kv_heads * head_dim)).astype(np.float32)
+        v = rng.standard_normal((n, kv_heads * head_dim)).astype(np.float32)
+        outs = [p.attention(p.upload_float(q), p.upload_float(k), p.upload_float(v), c, 1, pos, heads, kv_heads,
+                            head_dim) for p, c in zip((provider, ref), caches, strict=True)]
+        same(f"attention[pos0={pos}, n={n}]", *outs)
+        pos += n
+    assert provider.dispatches, "the provider recorded no kernel dispatch"

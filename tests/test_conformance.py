@@ -1,0 +1,44 @@
+"""The conformance kit (bitnet.testing) run against every bundled backend, and shown to fail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bitnet.backends import Backend, Device, ProbeResult
+from bitnet.reference import ReferenceProvider
+from bitnet.testing import check_probe, check_provider
+from bitnet.testing.suite import *  # noqa: F403 (the kit's tests, parametrized below)
+
+
+@pytest.fixture(params=["cpu", "opencl", "cuda"])
+def backend_name(request):
+    return request.param
+
+
+def test_kit_rejects_a_probe_without_reason():
+    b = Backend("x", "cpu", 1, lambda: ProbeResult(), lambda d: None)
+    with pytest.raises(AssertionError, match="must say why"):
+        check_probe(b)
+
+
+def test_kit_rejects_bad_device_indices():
+    b = Backend("x", "cpu", 1, lambda: ProbeResult((Device("x", 1, "d"),)), lambda d: None)
+    with pytest.raises(AssertionError, match="indices"):
+        check_probe(b)
+
+
+class OffByOneRmsnorm(ReferenceProvider):
+    def rmsnorm(self, x, w, eps):
+        return super().rmsnorm(x, w, eps) * np.float32(1.001)
+
+
+class WrongRoundingBitlinear(ReferenceProvider):
+    def bitlinear(self, x, w, act_quant):
+        return super().bitlinear(x * np.float32(1.01), w, act_quant)
+
+
+@pytest.mark.parametrize("broken, op", [(OffByOneRmsnorm, "rmsnorm"), (WrongRoundingBitlinear, "bitlinear")])
+def test_kit_rejects_a_broken_kernel(broken, op):
+    with pytest.raises(AssertionError, match=op):
+        check_provider(broken())
