@@ -1,0 +1,450 @@
+"""Load a BitNet b1.58 GGUF file (DESIGN.md section 4): validated, memory-mapped, weights kept packed.
+
+Every problem with the file becomes one ModelError("<path>: <what>"). The whole file is
+checked (header, tensor table, names, shapes, types, data ranges) before any weight is
+converted, so a bad file fails fast and never triggers a large allocation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField, ReaderTensor
+from gguf.quants import dequantize
+
+from . import formats
+from .errors import ModelError
+from .ternary import TernaryMatrix
+
+ARCHITECTURES = {"bitnet": "silu", "bitnet-b1.58": "relu2", "bitnet-25": "relu2"}  # default FFN activation
+_ACT_NAMES = {"silu": "silu", "swish": "silu",
+              "relu2": "relu2", "relu_squared": "relu2", "squared_relu": "relu2"}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ELEMENTS = 1 << 40  # far beyond any model this engine could hold; larger is a corrupt header
+_FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
+_TERNARY_TYPES = {formats.GGML_TQ1_0, formats.GGML_TQ2_0, formats.GGML_I2_S} | _FLOAT_TYPES
+# Quantized embedding types (llama-quantize writes Q4_K/Q6_K embeddings next to TQ projections):
+# decoded to float32 with gguf's reference code.
+_EMBD_QUANT_TYPES = {int(GGMLQuantizationType[n]) for n in
+                     ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+_PROJECTIONS = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
+                ("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down"))
+_LAYER_NORMS = ("attn_norm", "attn_sub_norm", "ffn_norm", "ffn_sub_norm")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    n_ctx_train: int
+    rope_theta: float
+    rms_eps: float
+    activation: str  # "silu" | "relu2"
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray
+    wq: TernaryMatrix
+    wk: TernaryMatrix
+    wv: TernaryMatrix
+    wo: TernaryMatrix
+    attn_sub_norm: np.ndarray
+    ffn_norm: np.ndarray
+    w_gate: TernaryMatrix
+    w_up: TernaryMatrix
+    w_down: TernaryMatrix
+    ffn_sub_norm: np.ndarray  # norms float32 1-D
+
+
+@dataclass
+class Model:
+    path: str
+    config: ModelConfig
+    metadata: dict[str, Any]  # every GGUF KV field as a Python value
+    token_embd: np.ndarray  # [vocab, dim] F16/F32 memory-mapped view; other types decoded to float32
+    output_norm: np.ndarray  # float32 [dim]
+    output: np.ndarray | None  # LM head [vocab, dim], None when tied to token_embd
+    layers: list[LayerWeights]
+    weight_types: dict[str, int]  # tensor count per ggml type name
+    n_params: int
+    file_size: int
+
+
+def type_name(ggml_type: int) -> str:
+    if ggml_type == formats.GGML_I2_S:
+        return "I2_S"
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+# -- reading the container ----------------------------------------------------------------------
+
+_SCALAR_SIZES = {t: np.dtype(d).itemsize for t, d in GGUFReader.gguf_scalar_to_np.items()}
+_MIN_SIZE = {**_SCALAR_SIZES, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+
+
+class _Reader(GGUFReader):
+    """gguf's reader, made strict: reads past the end, counts that cannot fit in the file and
+    absurd tensor headers raise instead of yielding short views or looping for ages, and
+    I2_S (ggml type 36) tensors are accepted."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        count = int(count)
+        end = int(offset) + np.dtype(dtype).itemsize * count
+        if count < 0 or end > len(self.data):
+            raise ModelError(f"truncated file: {count} x {np.dtype(dtype).name} at byte {offset} "
+                             f"runs past the end ({len(self.data)} bytes)")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _fits(self, offs: int, count: int, min_size: int, what: str) -> None:
+        if int(count) * min_size > len(self.data) - offs:
+            raise ModelError(f"truncated or corrupt file: {int(count)} {what} at byte {offs} "
+                             f"cannot fit in {len(self.data)} bytes")
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        self._fits(offs, count, 8 + 4 + 1, "metadata entries")
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[ReaderField]]:
+        self._fits(offs, count, 8 + 4 + 8 + 4 + 8, "tensor infos")
+        return super()._build_tensor_info(offs, count)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        try:
+            vtype = GGUFValueType(int(raw_type))
+        except ValueError:
+            raise ModelError(f"unknown metadata value type {int(raw_type)} at byte {orig_offs}") from None
+        if vtype == GGUFValueType.ARRAY:
+            item_type = int(self._get(orig_offs, np.uint32)[0])
+            if item_type not in {int(t) for t in _MIN_SIZE}:
+                raise ModelError(f"unknown metadata array type {item_type} at byte {orig_offs}")
+            count = int(self._get(orig_offs + 4, np.uint64)[0])
+            self._fits(orig_offs + 12, count, _MIN_SIZE[GGUFValueType(item_type)], "array items")
+            if item_type != GGUFValueType.ARRAY:
+                return self._array_parts(orig_offs, GGUFValueType(item_type), count)
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _array_parts(self, orig_offs: int, item_type: GGUFValueType,
+                     count: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        """A scalar or string array without gguf's one-view-per-item loop (which takes ~20 s for a
+        128k-token vocabulary). The parts are laid out so ReaderField.contents() still returns the
+        whole list: a scalar array is one part, a string array one part per string."""
+        head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+        offs = orig_offs + 12
+        if item_type != GGUFValueType.STRING:
+            values = self._get(offs, self.gguf_scalar_to_np[item_type], count)
+            return 12 + int(values.nbytes), [*head, values], [2], [GGUFValueType.ARRAY, item_type]
+        buf, end = memoryview(self.data), len(self.data)
+        strings = []
+        for _ in range(count):
+            if offs + 8 > end:
+                raise ModelError(f"truncated file: string array at byte {orig_offs} runs past the end")
+            n = int.from_bytes(buf[offs:offs + 8], "little")
+            if offs + 8 + n > end:
+                raise ModelError(f"truncated file: string array at byte {orig_offs} runs past the end")
+            strings.append(np.frombuffer(buf[offs + 8:offs + 8 + n], dtype=np.uint8))
+            offs += 8 + n
+        parts = [*head, *strings]
+        return offs - orig_offs, parts, list(range(2, len(parts))), [GGUFValueType.ARRAY, item_type]
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        file_size = len(self.data)
+        tensors, names = [], set()
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            if name in names:
+                raise ModelError(f"tensor {name} appears twice")
+            names.add(name)
+            shape = [int(d) for d in dims]  # GGUF order: innermost (row length) first
+            if not 1 <= len(shape) <= _MAX_DIMS or any(d < 1 for d in shape):
+                raise ModelError(f"tensor {name} has invalid dimensions {shape}")
+            n = math.prod(shape)
+            if n > _MAX_ELEMENTS:
+                raise ModelError(f"tensor {name} has absurd dimensions {shape}")
+            ggml_type = int(raw_dtype[0])
+            np_shape: tuple[int, ...] = tuple(reversed(shape))
+            item: type = np.uint8
+            if ggml_type == formats.GGML_I2_S:  # unknown to gguf: n/4 bytes of codes, then the scale slot
+                if n % formats.I2S_BLOCK:
+                    raise ModelError(f"tensor {name}: I2_S needs a multiple of {formats.I2S_BLOCK} values")
+                qtype: Any = ggml_type
+                n_bytes = formats.i2s_nbytes(n)
+                np_shape = (n_bytes,)
+            else:
+                try:
+                    qtype = GGMLQuantizationType(ggml_type)
+                except ValueError:
+                    raise ModelError(f"tensor {name} has unknown ggml type {ggml_type}") from None
+                block, size = GGML_QUANT_SIZES[qtype]
+                if shape[0] % block:
+                    raise ModelError(f"tensor {name}: row of {shape[0]} is not a multiple of "
+                                     f"the {qtype.name} block of {block}")
+                n_bytes = n // block * size
+                if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                    item = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
+                else:  # raw bytes, rows kept: [..., bytes per row]
+                    np_shape = (*np_shape[:-1], shape[0] // block * size)
+            offset = int(offset_tensor[0])
+            if offset % self.alignment:
+                raise ModelError(f"tensor {name}: data offset {offset} is not aligned to {self.alignment}")
+            data_offs = start_offs + offset
+            if data_offs + n_bytes > file_size:
+                raise ModelError(f"tensor {name}: data (bytes {data_offs}..{data_offs + n_bytes}) "
+                                 f"runs past the end of the file ({file_size} bytes)")
+            data = self._get(data_offs, item, n_bytes // np.dtype(item).itemsize).reshape(np_shape)
+            tensors.append(ReaderTensor(name, qtype, dims, n, n_bytes, data_offs, data, field))
+        self.tensors = tensors
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, ModelError) else f"{type(e).__name__}: {text}"
+
+
+def _open(path: str) -> _Reader:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ModelError(f"{path}: cannot open: {e.strerror or e}") from None
+    if len(head) < 4 or head[:4] != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (no GGUF magic)")
+    if len(head) < 8:
+        raise ModelError(f"{path}: truncated file (no GGUF version)")
+    version = int.from_bytes(head[4:8], "little")
+    if version & 0xFFFF == 0:
+        raise ModelError(f"{path}: big-endian GGUF files are not supported")
+    if version not in (2, 3):
+        raise ModelError(f"{path}: unsupported GGUF version {version} (this reads versions 2 and 3, "
+                         f"little-endian)")
+    try:
+        reader = _Reader(path)
+    except Exception as e:  # any failure of a parser on hostile bytes means a bad file
+        raise ModelError(f"{path}: {_one_line(e)}") from e
+    return reader
+
+
+# -- from tensors to the model ------------------------------------------------------------------
+
+def _metadata(reader: _Reader) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            out[name] = field.contents()
+        except UnicodeDecodeError:
+            raise ModelError(f"metadata {name} is not valid UTF-8") from None
+    return out
+
+
+def _hparams(md: dict[str, Any], arch: str, key: str, kind: type, default: Any = None) -> Any:
+    full = f"{arch}.{key}"
+    v = md.get(full, default)
+    if v is None:
+        raise ModelError(f"missing metadata {full}")
+    if kind is int:
+        if isinstance(v, list) and v and len(set(v)) == 1:
+            v = v[0]  # some converters write a per-layer array of equal values
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 31:
+            raise ModelError(f"metadata {full} = {v!r} is not a valid count")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ModelError(f"metadata {full} = {v!r} is not a positive number")
+    return float(v)
+
+
+def _config(md: dict[str, Any], tensors: dict[str, ReaderTensor]) -> ModelConfig:
+    arch = md.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelError(f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+    act = ARCHITECTURES[arch]
+    if f"{arch}.hidden_act" in md:
+        given = md[f"{arch}.hidden_act"]
+        act = _ACT_NAMES.get(str(given).strip().lower(), "")
+        if not act:
+            raise ModelError(f"unsupported {arch}.hidden_act {given!r} (supported: silu, relu2)")
+    n_layers = _hparams(md, arch, "block_count", int)
+    if n_layers * (len(_PROJECTIONS) + len(_LAYER_NORMS)) > len(tensors):
+        raise ModelError(f"{arch}.block_count = {n_layers}, but the file holds only {len(tensors)} tensors")
+    dim = _hparams(md, arch, "embedding_length", int)
+    n_heads = _hparams(md, arch, "attention.head_count", int)
+    n_kv = _hparams(md, arch, "attention.head_count_kv", int, n_heads)
+    if dim % n_heads or n_heads % n_kv:
+        raise ModelError(f"{n_heads} heads and {n_kv} KV heads do not divide embedding length {dim}")
+    head_dim = dim // n_heads
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        if md.get(f"{arch}.{key}", head_dim) != head_dim:
+            raise ModelError(f"{arch}.{key} = {md[f'{arch}.{key}']} differs from the head size {head_dim}")
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelError("missing tensor token_embd.weight")
+    if len(embd.shape) != 2 or int(embd.shape[0]) != dim:
+        raise ModelError(f"tensor token_embd.weight has shape {_dims(embd)}, expected [{dim}, vocab]")
+    return ModelConfig(
+        arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        ffn_dim=_hparams(md, arch, "feed_forward_length", int), vocab_size=int(embd.shape[1]),
+        n_ctx_train=_hparams(md, arch, "context_length", int),
+        rope_theta=_hparams(md, arch, "rope.freq_base", float, 10000.0),
+        rms_eps=_hparams(md, arch, "attention.layer_norm_rms_epsilon", float, 1e-5),
+        activation=act,
+    )
+
+
+def _dims(t: ReaderTensor) -> list[int]:
+    return [int(d) for d in t.shape]
+
+
+def _expected(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], set[int] | None]]:
+    """Tensor name -> (numpy shape, allowed types or None for any float-decodable type)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    want: dict[str, tuple[tuple[int, ...], set[int] | None]] = {
+        "token_embd.weight": ((cfg.vocab_size, cfg.dim), None),
+        "output_norm.weight": ((cfg.dim,), _FLOAT_TYPES),
+    }
+    d, f = cfg.dim, cfg.ffn_dim
+    proj = {"attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
+            "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+    norms = {"attn_norm": cfg.dim, "attn_sub_norm": q, "ffn_norm": cfg.dim, "ffn_sub_norm": cfg.ffn_dim}
+    for i in range(cfg.n_layers):
+        for n, size in norms.items():
+            want[f"blk.{i}.{n}.weight"] = ((size,), _FLOAT_TYPES)
+        for n, shape in proj.items():
+            want[f"blk.{i}.{n}.weight"] = (shape, _TERNARY_TYPES)
+    return want
+
+
+def _check_tensor(t: ReaderTensor, shape: tuple[int, ...], types: set[int] | None) -> None:
+    ggml_type = int(t.tensor_type)
+    if tuple(reversed(_dims(t))) != shape:
+        raise ModelError(f"tensor {t.name} has shape {_dims(t)}, expected {list(reversed(shape))}")
+    if types is None:
+        if ggml_type not in _FLOAT_TYPES | _EMBD_QUANT_TYPES:
+            raise ModelError(f"tensor {t.name} has type {type_name(ggml_type)}, which cannot be decoded")
+    elif ggml_type not in types:
+        allowed = ", ".join(sorted(type_name(x) for x in types))
+        raise ModelError(f"tensor {t.name} has type {type_name(ggml_type)} (supported: {allowed})")
+
+
+def _finite_rows(name: str, a: np.ndarray) -> None:
+    """Reject NaN/Inf, a slice of rows at a time (a whole-tensor mask could be 100s of MB)."""
+    step = max(1, (1 << 22) // max(1, a.shape[-1]))
+    for r in range(0, a.shape[0], step):
+        chunk = a[r:r + step]
+        if chunk.dtype == np.float16:  # exponent all ones; twice as fast as isfinite on F16
+            bad = np.any((chunk.view(np.uint16) & 0x7C00) == 0x7C00)
+        else:
+            bad = not np.all(np.isfinite(chunk))
+        if bad:
+            raise ModelError(f"tensor {name} holds NaN or infinite values")
+
+
+def _float_tensor(t: ReaderTensor, keep_view: bool = False) -> np.ndarray:
+    """A float tensor as float32 (or as its memory-mapped F16/F32 view when keep_view)."""
+    ggml_type = int(t.tensor_type)
+    data = t.data
+    if ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        out = data if keep_view else np.array(data, dtype=np.float32)
+    elif ggml_type == int(GGMLQuantizationType.BF16):
+        out = formats.bf16_to_float32(data)
+    else:
+        out = np.empty(data.shape[:-1] + (int(t.shape[0]),), dtype=np.float32)
+        step = max(1, (1 << 22) // int(t.shape[0]))
+        for r in range(0, data.shape[0], step):
+            out[r:r + step] = dequantize(data[r:r + step], GGMLQuantizationType(ggml_type))
+    _finite_rows(t.name, out.reshape(-1, out.shape[-1]))
+    return out
+
+
+def _ternary(t: ReaderTensor, scale: ReaderTensor | None) -> TernaryMatrix:
+    rows, cols = (int(d) for d in reversed(_dims(t)))
+    ggml_type = int(t.tensor_type)
+    floats = _float_tensor(t, keep_view=True) if ggml_type in _FLOAT_TYPES else None
+    try:
+        if floats is not None:
+            m = formats.float_to_ternary(floats)
+        elif ggml_type == formats.GGML_TQ2_0:
+            m = formats.tq2_0_to_ternary(t.data, rows, cols)
+        elif ggml_type == formats.GGML_TQ1_0:
+            m = formats.tq1_0_to_ternary(t.data, rows, cols)
+        else:
+            m = formats.i2s_to_ternary(t.data, rows, cols)
+    except ModelError as e:
+        raise ModelError(f"tensor {t.name}: {e}") from None
+    if scale is not None:
+        # llama.cpp multiplies the projection output by this scalar; folding it into the weight
+        # scale is the same product and keeps one code path for every kernel.
+        s = _float_tensor(scale).reshape(-1)[0]
+        m = TernaryMatrix(m.codes, (m.scales * s).astype(np.float32))
+    return m
+
+
+def load_model(path: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None) -> Model:
+    """Read and validate a GGUF model; ternary projections become TernaryMatrix, embeddings stay mapped."""
+    path = os.fspath(path)
+    reader = _open(path)
+    try:
+        return _build(path, reader, progress)
+    except ModelError as e:
+        raise ModelError(f"{path}: {e}") from None
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
+        raise ModelError(f"{path}: invalid model: {_one_line(e)}") from e
+
+
+def _build(path: str, reader: _Reader, progress: Callable[[int, int], None] | None) -> Model:
+    md = _metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = _config(md, tensors)
+
+    # Validate every tensor before converting any, so a bad file costs no allocation.
+    want = _expected(cfg)
+    if "output.weight" in tensors:
+        want["output.weight"] = ((cfg.vocab_size, cfg.dim), None)
+    for name, (shape, types) in want.items():
+        if name not in tensors:
+            raise ModelError(f"missing tensor {name}")
+        _check_tensor(tensors[name], shape, types)
+    scales = {}  # projection weight name -> its optional one-value .scale tensor
+    for name, (_, types) in want.items():
+        t = tensors.get(name[:-len(".weight")] + ".scale")
+        if types is _TERNARY_TYPES and t is not None:
+            if t.n_elements != 1 or int(t.tensor_type) not in _FLOAT_TYPES:
+                raise ModelError(f"tensor {t.name} must be one F32/F16/BF16 value, "
+                                 f"has shape {_dims(t)} and type {type_name(int(t.tensor_type))}")
+            scales[name] = t
+
+    token_embd = _float_tensor(tensors["token_embd.weight"], keep_view=True)
+    output = _float_tensor(tensors["output.weight"], keep_view=True) if "output.weight" in tensors else None
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        mats = {field: _ternary(tensors[p + n + ".weight"], scales.get(p + n + ".weight"))
+                for field, n in _PROJECTIONS}
+        norms = {n: _float_tensor(tensors[p + n + ".weight"]) for n in _LAYER_NORMS}
+        layers.append(LayerWeights(**norms, **mats))
+        if progress is not None:
+            progress(i + 1, cfg.n_layers)
+
+    return Model(
+        path=path, config=cfg, metadata=md, token_embd=token_embd,
+        output_norm=_float_tensor(tensors["output_norm.weight"]), output=output, layers=layers,
+        weight_types=dict(Counter(type_name(int(t.tensor_type)) for t in reader.tensors)),
+        n_params=sum(t.n_elements for t in reader.tensors), file_size=len(reader.data),
+    )
