@@ -137,31 +137,61 @@ def plugins(ctx: click.Context, as_json: bool) -> None:
 @click.option("--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True,
               help="Activation quantization: BitNet per-row int8, llama.cpp's per-256 Q8_K, or float.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--receipt", type=click.Path(dir_okay=False), default=None,
+              help="Write a JSON receipt of the run: the kernels dispatched, the device, timings, versions. "
+                   "A fake device (BITNET_GPU_FAKE) gets a compute_path fake receipt, then exit 3.")
 @click.pass_context
 def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, temperature: float, top_k: int,
-        top_p: float, seed: int | None, n_ctx: int | None, act_quant: str, stop: tuple[str, ...]) -> None:
+        top_p: float, seed: int | None, n_ctx: int | None, act_quant: str, stop: tuple[str, ...],
+        receipt: str | None) -> None:
     """Generate text: it streams to stdout; selection and timings go to stderr."""
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise UsageError("the prompt is not valid UTF-8") from None
     from .engine import load
+    from .errors import NoBackendError
 
-    with _load_progress() as progress:
-        engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant, progress=progress)
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                    stop=list(stop))
+    try:
+        with _load_progress() as progress:
+            engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant,
+                          progress=progress)
+    except NoBackendError as exc:
+        if receipt:  # a fake device is selected but cannot run: its receipt says compute_path fake
+            _write_fake_receipt(receipt, ctx.obj["device"], str(exc), sampling, act_quant, n_ctx)
+        raise
     with engine:
         click.echo(engine.summary, err=True)
+        pieces = []
         for piece in engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=stop):
+            pieces.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        if receipt:
+            from . import receipts
+
+            receipts.write(receipt, receipts.build(engine, "".join(pieces), sampling))
         s = engine.stats
         click.echo(f"load time = {s.load_ms:.1f} ms", err=True)
         click.echo(f"prompt eval time = {s.prefill_ms:.1f} ms / {s.prompt_tokens} tokens "
                    f"({s.prefill_tps:.2f} tokens per second)", err=True)
         click.echo(f"eval time = {s.decode_ms:.1f} ms / {s.generated_tokens} tokens "
                    f"({s.decode_tps:.2f} tokens per second)", err=True)
+        if receipt:
+            click.echo(f"receipt written to {receipt}", err=True)
+
+
+def _write_fake_receipt(path: str, request: str | None, reason: str, sampling: dict[str, Any], act_quant: str,
+                        n_ctx: int | None) -> None:
+    from . import receipts
+
+    fake = receipts.fake_run_receipt(request, reason, sampling, {"act_quant": act_quant, "n_ctx": n_ctx})
+    if fake is not None:
+        receipts.write(path, fake)
 
 
 class _load_progress:
@@ -172,6 +202,8 @@ class _load_progress:
         return self.update
 
     def update(self, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
         if self.bar is None:
             self.bar = click.progressbar(length=total, label="loading", file=sys.stderr)
             self.bar.__enter__()
@@ -180,3 +212,102 @@ class _load_progress:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
+
+
+# -- receipts and benchmarks (the logic lives in receipts.py and bench.py) -------------------------------
+
+@main.group()
+def receipt() -> None:
+    """Check run receipts (written by `run --receipt` and `bench --receipts`)."""
+
+
+@receipt.command("verify")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--require-backend", metavar="NAME[:INDEX]", default=None,
+              help="The run must have been on this backend (a name or alias), and device index if given.")
+@click.option("--require-gpu-kernels", is_flag=True,
+              help="At least one kernel dispatched on a real GPU-kind device, and no CPU fallback.")
+@click.option("--require-real", is_flag=True,
+              help="compute_path real: a real (not fake) device that dispatched kernels.")
+@click.option("--max-fallbacks", type=click.IntRange(min=0), default=None, help="At most N CPU fallbacks.")
+@click.pass_context
+def receipt_verify(ctx: click.Context, path: str, require_backend: str | None, require_gpu_kernels: bool,
+                   require_real: bool, max_fallbacks: int | None) -> None:
+    """Check a receipt against the schema and the requirements: exit 5 listing every failed check."""
+    from . import receipts
+
+    data = receipts.read(path)
+    problems = receipts.verify(data, require_backend=require_backend, require_gpu_kernels=require_gpu_kernels,
+                               require_real=require_real, max_fallbacks=max_fallbacks)
+    for line in problems:
+        click.echo(f"error: {path}: {line}", err=True)
+    if problems:
+        ctx.exit(5)
+    calls = sum(k["count"] for k in data["kernels"])
+    click.echo(f"ok: {path}: {data['selection']['selected']} compute_path={data['compute_path']} "
+               f"kernels={len(data['kernels'])} calls={calls} fallbacks={len(data['fallbacks'])}")
+
+
+def _names(values: tuple[str, ...] | str | None) -> list[str]:
+    given = (values,) if isinstance(values, str) else values or ()
+    parts = [p.strip().lower() for v in given for p in v.split(",")]
+    if any(not p for p in parts):
+        raise UsageError(f"empty backend name in {','.join(parts)!r}")
+    return parts
+
+
+@main.command()
+@click.option("--device", "devices", metavar="A,B,...", default=None,
+              help="Backends to measure, each of them (not the first available). "
+                   "Default: the global --device, else every available backend.")
+@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
+              help="GGUF model file. Default: the small built-in synthetic model.")
+@click.option("--prompt", "prompts", multiple=True,
+              help="Replace the fixed prompt set (repeatable); keep the default to compare runs over time.")
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--repetitions", "-r", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Unmeasured runs per backend first (kernels may compile on first use).")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Sampling seed, the same for every run.")
+@click.option("--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True)
+@click.option("--determinism", is_flag=True, help="Gate: every run of a prompt gives the same text.")
+@click.option("--min-decode-tps", type=float, default=None, help="Gate: median decode tokens/s per backend.")
+@click.option("--max-wall-ms", type=float, default=None, help="Gate: p95 wall time of one run, per backend.")
+@click.option("--require", multiple=True, metavar="A,B",
+              help="These backends must run: unavailable exits 3 (otherwise it is reported as skipped).")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Write bench.json, bench.csv and bench_runs.csv here.")
+@click.option("--receipts", "receipts_dir", type=click.Path(file_okay=False), default=None,
+              help="Write one receipt per backend here (its last measured run).")
+@click.pass_context
+def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: tuple[str, ...],
+          max_tokens: int, repetitions: int, warmup: int, temperature: float, top_k: int, top_p: float,
+          seed: int | None, act_quant: str, determinism: bool, min_decode_tps: float | None,
+          max_wall_ms: float | None, require: tuple[str, ...], out: str | None,
+          receipts_dir: str | None) -> None:
+    """Measure fixed prompts on each backend: a table on stdout; gates exit 5, a missing --require 3."""
+    from . import bench as harness
+    from .sampling import check_params
+
+    check_params(temperature, top_k, top_p)
+    config = harness.BenchConfig(
+        requests=_names(devices or ctx.obj["device"]) or None, model=model, max_tokens=max_tokens,
+        repetitions=repetitions, warmup=warmup, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        act_quant=act_quant, determinism=determinism, receipts_dir=receipts_dir, required=_names(require),
+        prompts=prompts or harness.PROMPTS)
+    report = harness.run(config, log=lambda line: click.echo(line, err=True))
+    click.echo(harness.table(report))
+    if out:
+        for path in harness.write_outputs(report, out):
+            click.echo(f"wrote {path}", err=True)
+    missing = harness.missing_required(report)
+    failures = harness.gate_failures(report, min_decode_tps, max_wall_ms, determinism)
+    for line in missing + failures:
+        click.echo(f"error: {line}", err=True)
+    if missing:
+        ctx.exit(3)
+    if failures:
+        ctx.exit(5)

@@ -31,9 +31,15 @@ class KernelProvider(ABC):
         self.backend = backend
         self.device = device
         self.dispatches: Counter[str] = Counter()
+        # (operation, reason) -> times an operation ran on the host CPU instead of this device.
+        self.fallbacks: Counter[tuple[str, str]] = Counter()
 
     def record(self, kernel: str, count: int = 1) -> None:
         self.dispatches[kernel] += count
+
+    def record_fallback(self, op: str, reason: str, count: int = 1) -> None:
+        """Count one CPU fallback of `op`, as it happens: receipts report every one with its reason."""
+        self.fallbacks[(op, reason)] += count
 
     # -- memory ---------------------------------------------------------------------------
     @abstractmethod
