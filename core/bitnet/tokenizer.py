@@ -1,0 +1,818 @@
+"""Tokenizers built from GGUF metadata, giving the token ids llama.cpp gives.
+
+Two vocabulary kinds (``tokenizer.ggml.model``):
+
+- ``gpt2``: byte-level BPE with ranked merges (Llama-3, BitNet b1.58 2B-4T). The
+  pre-tokenizer regexes (llama.cpp's, chosen by ``tokenizer.ggml.pre``) and the
+  rank-ordered merging run in HF ``tokenizers``.
+- ``llama``: SentencePiece-style vocabulary with scores. HF's BPE merges by merge rank,
+  not by the score of the merged piece, so it cannot reproduce llama.cpp's
+  ``llm_tokenizer_spm``; that algorithm is re-implemented here (it is small).
+
+What follows llama.cpp (src/llama-vocab.cpp, checked token for token against
+llama-cpp-python in tests/test_tokenizer.py):
+
+- special tokens are split out of the text first (``tokenizer_st_partition``): longest
+  first; control and unknown tokens only with ``special=True``, user-defined always.
+  ``special`` defaults to False, as in llama-cpp-python's ``Llama.tokenize``;
+- a missing ``tokenizer.ggml.pre`` means "default" (llama.cpp warns); an unknown one is
+  an error (llama.cpp throws too). Only the pre-tokenizers listed in ``_PRE_TYPES`` are
+  supported; other names llama.cpp knows raise ModelError naming them;
+- Llama-3 pre-tokenizers (``llama-bpe``...) set ``ignore_merges`` and default
+  ``add_bos_token`` to true; ``gpt-2`` and ``default`` default it to false, SPM to true;
+- repeated merges keep their first rank; empty tokens become ``[EMPTY_<id>]``;
+  out-of-range special ids fall back to the defaults; EOT/EOM ids and the
+  end-of-generation set are also detected by token text, which makes such tokens
+  control tokens;
+- SPM: a space is prefixed to the text and after every special token
+  (``add_space_prefix``), spaces become "▁", the highest-scoring adjacent pair is merged
+  first (ties: leftmost), leftovers fall back to ``<0xXX>`` byte tokens;
+- a token renders as ``llama_token_to_piece(special=False)`` renders it.
+
+Deliberate differences: ``decode`` never applies llama.cpp's ``clean_spaces`` pass (it
+would turn "a ." into "a." and break round trips), and it removes the SPM prefix space
+whether or not the ids start with BOS. llama.cpp's FIM-token detection and its
+model-specific end-of-generation workarounds (gpt-oss, Gemma 4, PLaMo) are not copied.
+
+``synthetic_tokenizer_metadata`` builds small deterministic vocabularies of both kinds
+for the synthetic test models.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import numbers
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bitnet.errors import ModelError
+
+__all__ = ["Tokenizer", "synthetic_tokenizer_metadata"]
+
+# llama.cpp's LLAMA_TOKEN_TYPE_* values (tokenizer.ggml.token_type).
+TOKEN_NORMAL = 1
+TOKEN_UNKNOWN = 2
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+TOKEN_UNUSED = 5
+TOKEN_BYTE = 6
+
+# Pre-tokenizer regexes, copied from llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe).
+# LLAMA3 is llama.cpp's "adapted" form of the tokenizer.json regex: the case-insensitive
+# group (?i:...) is spelled out so every regex engine reads it the same way.
+LLAMA3_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# LLAMA_VOCAB_PRE_TYPE_DEFAULT: four regexes applied one after another, each splitting
+# the pieces the previous one produced.
+DEFAULT_REGEXES = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+
+# tokenizer.ggml.pre value -> (regexes, ignore_merges, default add_bos), as in
+# llama.cpp's llama_vocab::impl::load. A missing key means "default" (llama.cpp warns).
+_PRE_TYPES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
+    "default": (DEFAULT_REGEXES, False, False),
+    "llama3": ((LLAMA3_REGEX,), True, True),
+    "llama-v3": ((LLAMA3_REGEX,), True, True),
+    "llama-bpe": ((LLAMA3_REGEX,), True, True),
+    "falcon3": ((LLAMA3_REGEX,), True, True),
+    "dbrx": ((LLAMA3_REGEX,), False, False),
+    "smaug-bpe": ((LLAMA3_REGEX,), False, False),
+    "gpt-2": ((GPT2_REGEX,), False, False),
+    "phi-2": ((GPT2_REGEX,), False, False),
+}
+
+SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
+
+
+@functools.cache
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+@functools.cache
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+# llama.cpp's llama_token_attr bits. A token can carry several: llama.cpp adds CONTROL to
+# end-of-generation-looking tokens whatever their declared type.
+_ATTR_UNKNOWN = 1 << 0
+_ATTR_UNUSED = 1 << 1
+_ATTR_NORMAL = 1 << 2
+_ATTR_CONTROL = 1 << 3
+_ATTR_USER_DEFINED = 1 << 4
+_ATTR_BYTE = 1 << 5
+_TYPE_TO_ATTR = {
+    TOKEN_NORMAL: _ATTR_NORMAL,
+    TOKEN_UNKNOWN: _ATTR_UNKNOWN,
+    TOKEN_CONTROL: _ATTR_CONTROL,
+    TOKEN_USER_DEFINED: _ATTR_USER_DEFINED,
+    TOKEN_UNUSED: _ATTR_UNUSED,
+    TOKEN_BYTE: _ATTR_BYTE,
+}  # any other value (0 = undefined) -> no attribute: never rendered, like llama.cpp
+
+# Token texts llama.cpp recognises when the GGUF does not name the token by id
+# (llama_vocab::impl::load, "auto-detect special tokens by text"); first match wins here.
+_EOT_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "<end_of_utterance>",
+)
+_EOM_TEXTS = ("<|eom_id|>",)
+# Every token with one of these texts ends generation in llama.cpp (special_eog_ids).
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})  # fmt: skip
+
+_PREFIX = "tokenizer.ggml."
+
+
+def _array(md: dict[str, Any], key: str, n: int, kind: type) -> list[Any] | None:
+    """An optional per-token array; llama.cpp rejects one shorter than the token list.
+
+    ``kind`` is numbers.Integral or numbers.Real, so NumPy scalars pass as well.
+    """
+    value = md.get(_PREFIX + key)
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise ModelError(f"{_PREFIX}{key} is not an array")
+    if len(value) < n:
+        raise ModelError(f"{_PREFIX}{key} has {len(value)} entries for {n} tokens")
+    values = list(value[:n])
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise ModelError(f"{_PREFIX}{key} has entries of the wrong type")
+    return values
+
+
+def _flag(md: dict[str, Any], key: str, default: bool) -> bool:
+    value = md.get(_PREFIX + key)
+    if value is None:
+        return default
+    if isinstance(value, (str, bytes)) or value not in (True, False):
+        raise ModelError(f"{_PREFIX}{key} is not a bool")
+    return bool(value)
+
+
+class Tokenizer:
+    """Text <-> token ids for a GGUF model, giving the ids llama.cpp gives.
+
+    Build it with :meth:`from_metadata`. ``encode`` follows ``llama_tokenize`` with
+    llama-cpp-python's defaults (``special=False``: control tokens in the text are
+    tokenized as plain text; user-defined tokens are always matched whole, as in
+    llama.cpp). ``decode`` concatenates each token's piece the way ``llama_token_to_piece``
+    renders it with ``special=False`` (control and unknown tokens render as nothing).
+    """
+
+    n_vocab: int
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    add_bos: bool
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        tokens: list[str],
+        scores: list[float],
+        attrs: list[int],
+        bos_id: int | None,
+        eos_id: int | None,
+        eot_id: int | None,
+        eom_id: int | None,
+        unk_id: int | None,
+        add_bos: bool,
+        add_eos: bool,
+        add_space_prefix: bool,
+        eog_ids: frozenset[int],
+        merges: list[tuple[str, str]] | None = None,
+        pre: str = "default",
+    ) -> None:
+        self.model = model
+        self.n_vocab = len(tokens)
+        self.tokens = tokens
+        self.scores = scores
+        self.attrs = attrs
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.eot_id = eot_id
+        self.eom_id = eom_id
+        self.unk_id = unk_id
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.add_space_prefix = add_space_prefix
+        self.pre = pre
+        self._eog_ids = eog_ids
+        # Later duplicates win, as in llama.cpp's token_to_id map.
+        self._token_to_id = {t: i for i, t in enumerate(tokens)}
+        # llama.cpp's cache_special_tokens: longest text first, so "<|eot_id|>" is split
+        # out before any shorter special token it contains.
+        special_mask = _ATTR_CONTROL | _ATTR_USER_DEFINED | _ATTR_UNKNOWN
+        specials = sorted(
+            (i for i, a in enumerate(attrs) if a & special_mask), key=lambda i: -len(tokens[i].encode())
+        )
+        self._special_rank = {tid: r for r, tid in enumerate(specials)}
+        # Lookup tables to find which special texts occur in a text without trying all of
+        # them (Llama-3 has 256, padded vocabularies far more): first character -> lengths.
+        self._special_ids: dict[str, list[int]] = {}
+        first: dict[str, set[int]] = {}
+        for tid in specials:
+            self._special_ids.setdefault(tokens[tid], []).append(tid)
+            first.setdefault(tokens[tid][0], set()).add(len(tokens[tid]))
+        self._special_lengths = {c: sorted(lengths) for c, lengths in first.items()}
+        self._pieces: list[bytes] | None = None
+        self._hf: Any = None
+        if model == "gpt2":
+            self._hf = self._build_hf_bpe(merges or [], pre)
+
+    # -- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, Any]) -> Tokenizer:
+        """Build the tokenizer from GGUF metadata (``tokenizer.ggml.*`` keys, Python values).
+
+        Defaults are llama.cpp's (``llama_vocab::impl::load``). Raises
+        :class:`bitnet.errors.ModelError` when the tokenizer data is missing or invalid.
+        """
+        model = md.get(_PREFIX + "model")
+        if model is None:
+            raise ModelError("the model has no tokenizer (tokenizer.ggml.model is missing)")
+        if model not in ("llama", "gpt2"):
+            raise ModelError(f"unsupported tokenizer model {model!r} (supported: 'llama', 'gpt2')")
+        tokens = md.get(_PREFIX + "tokens")
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
+            raise ModelError("the model has no token list (tokenizer.ggml.tokens)")
+        if not all(isinstance(t, str) for t in tokens):
+            raise ModelError("tokenizer.ggml.tokens has entries that are not strings")
+        # llama.cpp renames empty tokens so the text -> id map stays one-to-one.
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        n = len(tokens)
+        scores = _array(md, "scores", n, numbers.Real)
+        types = _array(md, "token_type", n, numbers.Integral)
+        attrs = [_ATTR_NORMAL] * n if types is None else [_TYPE_TO_ATTR.get(int(t), 0) for t in types]
+
+        merges: list[tuple[str, str]] | None = None
+        pre = "default"
+        if model == "llama":
+            bos, eos, unk = 1, 2, 0
+            add_bos, add_space_prefix = True, True
+        else:
+            bos, eos, unk = 11, 11, None
+            raw_merges = md.get(_PREFIX + "merges")
+            if (
+                isinstance(raw_merges, (str, bytes))
+                or not hasattr(raw_merges, "__len__")
+                or not all(isinstance(m, str) for m in raw_merges)
+            ):
+                raise ModelError("gpt2 tokenizer without a tokenizer.ggml.merges string array")
+            merges = []
+            for m in raw_merges:
+                # llama.cpp splits at the first space after the first character.
+                pos = m.find(" ", 1)
+                if pos > 0:
+                    merges.append((m[:pos], m[pos + 1 :]))
+            pre = md.get(_PREFIX + "pre") or "default"
+            if pre not in _PRE_TYPES:
+                raise ModelError(
+                    f"unknown or unsupported pre-tokenizer type {pre!r} (tokenizer.ggml.pre); "
+                    f"supported: {', '.join(sorted(_PRE_TYPES))}"
+                )
+            add_bos = _PRE_TYPES[pre][2]
+            add_space_prefix = False
+
+        def special_id(key: str, default: int | None) -> int | None:
+            # Out-of-range ids are ignored, as llama.cpp does (with a warning).
+            if default is not None and default >= n:
+                default = None
+            value = md.get(_PREFIX + key)
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ModelError(f"{_PREFIX}{key} is not an integer")
+            return int(value) if 0 <= value < n else default
+
+        bos_id = special_id("bos_token_id", bos)
+        eos_id = special_id("eos_token_id", eos)
+        unk_id = special_id("unknown_token_id", unk)
+        eot_id = special_id("eot_token_id", None)
+        eom_id = special_id("eom_token_id", None)
+        if eot_id is None:
+            eot_id = next((i for t in _EOT_TEXTS if (i := _last_index(tokens, t)) is not None), None)
+        if eom_id is None:
+            eom_id = next((i for t in _EOM_TEXTS if (i := _last_index(tokens, t)) is not None), None)
+        eog = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS}
+        for i in (eot_id, eom_id):
+            if i is not None:
+                attrs[i] |= _ATTR_CONTROL
+        for i in eog:
+            attrs[i] |= _ATTR_CONTROL
+        eog.update(i for i in (eos_id, eot_id, eom_id) if i is not None)
+
+        add_bos = _flag(md, "add_bos_token", add_bos)
+        add_eos = _flag(md, "add_eos_token", False)
+        add_space_prefix = _flag(md, "add_space_prefix", add_space_prefix)
+        if add_bos and bos_id is None:
+            raise ModelError("the tokenizer adds a BOS token but has none")
+        if add_eos and eos_id is None:
+            raise ModelError("the tokenizer adds an EOS token but has none")
+        return cls(
+            model=model,
+            tokens=tokens,
+            scores=[float(s) for s in scores] if scores is not None else [0.0] * n,
+            attrs=attrs,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            eot_id=eot_id,
+            eom_id=eom_id,
+            unk_id=unk_id,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_space_prefix=add_space_prefix,
+            eog_ids=frozenset(eog),
+            merges=merges,
+            pre=pre,
+        )
+
+    def _build_hf_bpe(self, merges: list[tuple[str, str]], pre: str) -> Any:
+        from tokenizers import Regex, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        regexes, ignore_merges, _ = _PRE_TYPES[pre]
+        # HF's BPE refuses merges whose parts or result are not tokens; llama.cpp just
+        # never applies them, so dropping them keeps the same results.
+        # A repeated pair keeps its first rank (llama.cpp's bpe_ranks.emplace); HF would
+        # let the last one win.
+        vocab = self._token_to_id
+        usable = [(a, b) for a, b in dict.fromkeys(merges) if a in vocab and b in vocab and a + b in vocab]
+        try:
+            bpe = models.BPE(vocab=dict(vocab), merges=usable, ignore_merges=ignore_merges, fuse_unk=False)
+        except Exception as e:  # tokenizers raises plain Exception subclasses
+            raise ModelError(f"invalid BPE vocabulary: {e}") from e
+        hf = HFTokenizer(bpe)
+        # llama.cpp keeps the text between regex matches as pieces of its own: "isolated".
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+        return hf
+
+    # -- encoding ------------------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool = True, *, special: bool = False) -> list[int]:
+        """Token ids of ``text``, as ``llama_tokenize(text, add_special=add_bos, parse_special=special)``.
+
+        ``add_bos`` adds the BOS token only when the model asks for it
+        (``tokenizer.ggml.add_bos_token``; llama.cpp's default is true for ``llama``
+        vocabularies and Llama-3 style ``gpt2`` ones); likewise an EOS token when the model
+        sets ``add_eos_token``. ``special=True`` turns control-token texts such as
+        ``<|eot_id|>`` into their ids (for chat templates); the default, like
+        llama-cpp-python's ``Llama.tokenize``, treats them as plain text.
+        """
+        out: list[int] = []
+        if add_bos and self.add_bos:
+            assert self.bos_id is not None
+            out.append(self.bos_id)
+        fragments = self._partition(text, special)
+        if self.model == "llama":
+            prev_special = True  # llama.cpp prefixes a space at the start and after a special token
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                    prev_special = True
+                    continue
+                if self.add_space_prefix and prev_special:
+                    frag = " " + frag
+                self._spm_tokenize(frag.replace(" ", SPIECE_SPACE), out)
+                prev_special = False
+        else:
+            raw = [f for f in fragments if isinstance(f, str)]
+            encoded = iter(self._hf.encode_batch(raw, add_special_tokens=False)) if raw else iter(())
+            for frag in fragments:
+                out.extend([frag] if isinstance(frag, int) else next(encoded).ids)
+        if add_bos and self.add_eos:
+            assert self.eos_id is not None
+            out.append(self.eos_id)
+        return out
+
+    def _partition(self, text: str, special: bool) -> list[str | int]:
+        """Split special-token texts out of ``text`` (llama.cpp's tokenizer_st_partition).
+
+        As in llama.cpp, special tokens are taken longest first, each one splitting every
+        text fragment left by the previous ones; control (and unknown) tokens only when
+        ``special`` is true, user-defined tokens always.
+        """
+        if not text:
+            return []
+        frags: list[str | int] = [text]
+        for tid in self._specials_in(text, special):
+            needle = self.tokens[tid]
+            new: list[str | int] = []
+            for f in frags:
+                if isinstance(f, int) or needle not in f:
+                    new.append(f)
+                    continue
+                parts = f.split(needle)
+                for k, part in enumerate(parts):
+                    if k:
+                        new.append(tid)
+                    if part:
+                        new.append(part)
+            frags = new
+        return frags
+
+    def _specials_in(self, text: str, special: bool) -> list[int]:
+        """The special tokens whose text occurs in ``text``, in llama.cpp's matching order.
+
+        A fragment is a substring of the text, so no other special token can match.
+        """
+        found: set[int] = set()
+        lengths = self._special_lengths
+        ids = self._special_ids
+        for pos, c in enumerate(text):
+            for n in lengths.get(c, ()):
+                found.update(ids.get(text[pos : pos + n], ()))
+        skip = 0 if special else _ATTR_CONTROL | _ATTR_UNKNOWN
+        return sorted((t for t in found if not self.attrs[t] & skip), key=self._special_rank.__getitem__)
+
+    def _spm_tokenize(self, text: str, out: list[int]) -> None:
+        """llama.cpp's llm_tokenizer_spm_session::tokenize on one fragment.
+
+        Start from single characters; repeatedly merge the adjacent pair whose concatenation
+        is the highest-scoring token (ties: leftmost); finally map each symbol to its token
+        or, failing that, to its UTF-8 bytes' ``<0xXX>`` tokens.
+        """
+        n = len(text)
+        if n == 0:
+            return
+        vocab = self._token_to_id
+        scores = self.scores
+        start = list(range(n))
+        length = [1] * n
+        prev = list(range(-1, n - 1))
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        heap: list[tuple[float, int, int, int]] = []
+
+        def add_bigram(left: int, right: int) -> None:
+            if left == -1 or right == -1:
+                return
+            size = length[left] + length[right]
+            tid = vocab.get(text[start[left] : start[left] + size])
+            if tid is not None:
+                heapq.heappush(heap, (-scores[tid], left, right, size))
+
+        for i in range(1, n):
+            add_bigram(i - 1, i)
+        while heap:
+            _, left, right, size = heapq.heappop(heap)
+            # Skip pairs made stale by an earlier merge.
+            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
+                continue
+            length[left] = size
+            length[right] = 0
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prev[nxt[right]] = left
+            add_bigram(prev[left], left)
+            add_bigram(left, nxt[left])
+
+        i = 0
+        while i != -1:
+            piece = text[start[i] : start[i] + length[i]]
+            tid = vocab.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:
+                out.extend(self._byte_token(b) for b in piece.encode("utf-8"))
+            i = nxt[i]
+
+    def _byte_token(self, b: int) -> int:
+        tid = self._token_to_id.get(f"<0x{b:02X}>")
+        if tid is None and b < 0x80:
+            tid = self._token_to_id.get(chr(b))
+        if tid is None:
+            # llama.cpp throws here (std::out_of_range) and the whole tokenize call fails.
+            raise ModelError(f"the vocabulary has no byte token for 0x{b:02X}")
+        return tid
+
+    # -- decoding ------------------------------------------------------------------------
+
+    def _piece_table(self) -> list[bytes]:
+        # Built on first use: 128k tokens take a noticeable fraction of a second.
+        if self._pieces is None:
+            self._pieces = [self._piece(i) for i in range(self.n_vocab)]
+        return self._pieces
+
+    def _piece(self, tid: int) -> bytes:
+        """What llama_token_to_piece(special=False) renders for one token."""
+        attr = self.attrs[tid]
+        text = self.tokens[tid]
+        if attr & (_ATTR_UNKNOWN | _ATTR_CONTROL):
+            return b""
+        if attr & _ATTR_USER_DEFINED:
+            return text.encode("utf-8")
+        if attr & _ATTR_NORMAL:
+            if self.model == "llama":
+                return text.replace(SPIECE_SPACE, " ").encode("utf-8")
+            table = _unicode_to_bytes()
+            # A character outside GPT-2's byte map cannot come from byte-level BPE; keep
+            # its UTF-8 rather than failing.
+            return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in text)
+        if attr & _ATTR_BYTE:
+            m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text)
+            return bytes([int(m.group(1), 16)]) if m else b""
+        return b""
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes token ``tid`` renders as (empty for control tokens)."""
+        return self._piece_table()[tid]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; invalid or truncated UTF-8 becomes U+FFFD.
+
+        For ``llama`` vocabularies the space the encoder put in front of the text
+        (``add_space_prefix``) is removed again, so ``decode(encode(s)) == s``.
+        """
+        return self._decode_bytes(ids, strip_prefix=True).decode("utf-8", errors="replace")
+
+    def _decode_bytes(self, ids: Sequence[int], strip_prefix: bool) -> bytes:
+        pieces = self._piece_table()
+        out = []
+        for tid in ids:
+            if not 0 <= tid < self.n_vocab:
+                raise ValueError(f"token id {tid} outside the vocabulary (0..{self.n_vocab - 1})")
+            piece = pieces[tid]
+            if strip_prefix and piece:
+                # The first visible piece carries the encoder's prefix space.
+                if self.add_space_prefix and piece.startswith(b" "):
+                    piece = piece[1:]
+                strip_prefix = False
+            out.append(piece)
+        return b"".join(out)
+
+    def stream_decoder(self, *, strip_prefix: bool = False) -> Callable[[int], str]:
+        """A function to feed generated ids one at a time; it returns the newly completed text.
+
+        A multi-byte UTF-8 character split across tokens (byte-fallback tokens, byte-level
+        BPE pieces) is held back until its last byte arrives. The ids are taken as a
+        continuation of a prompt, so a leading ``▁`` stays a space; pass
+        ``strip_prefix=True`` when streaming a text from its start (then the output
+        concatenates to :meth:`decode` of the same ids).
+        """
+        import codecs
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        state = {"strip": strip_prefix}
+
+        def feed(tid: int) -> str:
+            data = self._decode_bytes([tid], strip_prefix=state["strip"])
+            if data:
+                state["strip"] = False
+            return decoder.decode(data)
+
+        return feed
+
+    def is_eog(self, tok: int) -> bool:
+        """Whether ``tok`` ends generation: EOS, EOT, EOM or an end-of-turn token (llama.cpp's set)."""
+        return tok in self._eog_ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(model={self.model!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, eot_id={self.eot_id}, add_bos={self.add_bos})"
+        )
+
+
+def _last_index(tokens: list[str], text: str) -> int | None:
+    # The text -> id map keeps the last of duplicate texts.
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] == text:
+            return i
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Synthetic vocabularies
+# ---------------------------------------------------------------------------------------
+
+# Training text for the synthetic vocabularies: ordinary English with digits,
+# contractions and punctuation so the learned merges look like a real tokenizer's.
+_TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst
+of times; it was the age of wisdom, it was the age of foolishness. In the beginning there
+was nothing, and then there was a small model that could only say a few words. We're
+testing a ternary language model: every weight is -1, 0 or +1, and the activations are
+quantized to eight bits. That's why the model is small and fast. You'll see that it
+doesn't need much memory, and they've shown it runs well on a laptop.
+
+Once upon a time, in a land far away, there lived a king who had three daughters. The
+first daughter loved to read, the second loved to sing, and the third loved to build
+machines. Every morning the king would walk through the garden and talk with the people
+who worked there. "What are you making today?" he asked. "A machine that can think,"
+said the youngest. The king laughed, but she was serious, and after many years of work
+the machine could answer questions, write letters and count to 1000.
+
+Numbers appear in text all the time: 1, 2, 3, 42, 100, 2024, 3.14159, 12345678 and
+the year 1999. A price of $19.99 is not the same as 19.99 euros. Call 555-0100 at 9:30.
+Lists have items: apples, oranges, bananas, and grapes. Questions end with a question
+mark? Exclamations end with an exclamation mark! Code looks different: def main(): return
+x + y * 2 if (a == b) else [1, 2, 3]; for i in range(10): print(i).
+
+The weather is nice today. The sun is shining, the birds are singing, and the children
+are playing in the park. In the evening the light turns golden and the air gets cool.
+People walk their dogs, talk with their neighbours and think about the day. Tomorrow
+will be another day, with new problems to solve and new things to learn. The river runs
+through the town, under the old stone bridge, past the mill and into the sea. Ships
+come and go, bringing news from other countries, and the market is always busy.
+Learning is a process of making mistakes and then correcting them. A model learns the
+same way: it predicts the next token, compares it with the real one, and changes its
+weights a little. After billions of tokens it can write text that reads well. This is
+the simple idea behind every large language model, and it is also why they need so
+much data and so much compute to train. Inference is cheaper: it only reads the weights.
+"""
+
+_GPT2_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
+
+
+def _learn_merges(words: Counter[str], max_merges: int) -> list[tuple[str, str]]:
+    """Count-based BPE learner: repeatedly merge the most frequent adjacent pair.
+
+    Ties go to the lexicographically smallest pair so the result never depends on
+    hash or dict ordering. Pairs seen only once are not merged (they would just memorize
+    the text).
+    """
+    seqs = [(list(w), n) for w, n in sorted(words.items())]
+    merges: list[tuple[str, str]] = []
+    while len(merges) < max_merges:
+        counts: Counter[tuple[str, str]] = Counter()
+        for syms, n in seqs:
+            for pair in itertools.pairwise(syms):
+                counts[pair] += n
+        if not counts:
+            break
+        best_n = max(counts.values())
+        if best_n < 2:
+            break
+        best = min(p for p, c in counts.items() if c == best_n)
+        merges.append(best)
+        joined = best[0] + best[1]
+        for syms, _ in seqs:
+            i = 0
+            while i < len(syms) - 1:
+                if syms[i] == best[0] and syms[i + 1] == best[1]:
+                    syms[i : i + 2] = [joined]
+                i += 1
+    return merges
+
+
+def _regex_pieces(regex: str, text: str) -> list[str]:
+    from tokenizers import Regex, pre_tokenizers
+
+    pre = pre_tokenizers.Split(Regex(regex), behavior="isolated")
+    return [piece for piece, _ in pre.pre_tokenize_str(text)]
+
+
+def _synthetic_gpt2(vocab_size: int) -> dict[str, Any]:
+    byte_chars = _bytes_to_unicode()
+    tokens = [byte_chars[b] for b in range(256)]
+    n_learn = vocab_size - len(tokens) - len(_GPT2_SPECIALS)
+    if n_learn < 0:
+        raise ValueError(f"gpt2 synthetic vocab needs at least {256 + len(_GPT2_SPECIALS)} tokens")
+    words: Counter[str] = Counter(
+        "".join(byte_chars[b] for b in piece.encode("utf-8"))
+        for piece in _regex_pieces(LLAMA3_REGEX, _TRAINING_TEXT)
+    )
+    merges = _learn_merges(words, n_learn)
+    known = set(tokens)
+    for a, b in merges:
+        if a + b not in known:
+            known.add(a + b)
+            tokens.append(a + b)
+    token_type = [TOKEN_NORMAL] * len(tokens)
+    bos_id = len(tokens)
+    tokens += list(_GPT2_SPECIALS)
+    token_type += [TOKEN_CONTROL] * len(_GPT2_SPECIALS)
+    # Llama-3 pads its vocabulary with reserved control tokens the same way.
+    n_pad = vocab_size - len(tokens)
+    tokens += [f"<|reserved_special_token_{i}|>" for i in range(n_pad)]
+    token_type += [TOKEN_CONTROL] * n_pad
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "llama-bpe",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": token_type,
+        "tokenizer.ggml.merges": [f"{a} {b}" for a, b in merges],
+        "tokenizer.ggml.bos_token_id": bos_id,
+        "tokenizer.ggml.eos_token_id": bos_id + 1,
+        "tokenizer.ggml.eot_token_id": bos_id + 2,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+
+
+def _synthetic_llama(vocab_size: int) -> dict[str, Any]:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    token_type = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL] + [TOKEN_BYTE] * 256
+    scores = [0.0] * len(tokens)
+    words = Counter(SPIECE_SPACE + w for w in _TRAINING_TEXT.split())
+    chars = sorted({c for w in words for c in w})
+    n_learn = vocab_size - len(tokens) - len(chars)
+    if n_learn < 0:
+        raise ValueError(f"llama synthetic vocab needs at least {len(tokens) + len(chars)} tokens")
+    merges = _learn_merges(words, n_learn)
+    # Like a SentencePiece BPE model: merged pieces first, scored by how early they were
+    # learned (llama.cpp merges the highest-scoring piece first), single characters last.
+    pieces: list[str] = []
+    known = set(chars)
+    for a, b in merges:
+        if a + b not in known:
+            known.add(a + b)
+            pieces.append(a + b)
+    pieces += chars
+    tokens += pieces
+    token_type += [TOKEN_NORMAL] * len(pieces)
+    scores += [-float(i) for i in range(len(pieces))]
+    n_pad = vocab_size - len(tokens)
+    tokens += [f"<reserved_{i}>" for i in range(n_pad)]
+    token_type += [TOKEN_UNUSED] * n_pad
+    scores += [-1e9] * n_pad
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": token_type,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": True,
+    }
+
+
+@functools.cache
+def _synthetic_cached(kind: str, vocab_size: int) -> dict[str, Any]:
+    if kind == "gpt2":
+        return _synthetic_gpt2(vocab_size)
+    if kind == "llama":
+        return _synthetic_llama(vocab_size)
+    raise ValueError(f"unknown tokenizer kind {kind!r} (expected 'gpt2' or 'llama')")
+
+
+def synthetic_tokenizer_metadata(kind: str, vocab_size: int) -> dict[str, Any]:
+    """Deterministic tokenizer metadata (GGUF ``tokenizer.ggml.*`` keys) for a synthetic model.
+
+    ``kind`` is ``"gpt2"`` (byte-level BPE, Llama-3 style: 256 byte tokens, learned merges,
+    ``<|begin_of_text|>``/``<|end_of_text|>``/``<|eot_id|>`` control tokens, pre-tokenizer
+    ``llama-bpe``) or ``"llama"`` (SentencePiece style: ``<unk>``, ``<s>``, ``</s>``, 256
+    ``<0xXX>`` byte tokens, scored ``▁`` pieces). The vocabulary has exactly ``vocab_size``
+    tokens: beyond what the built-in training text yields it is padded with tokens that
+    ordinary text never produces (gpt2: ``<|reserved_special_token_N|>``, control type;
+    llama: ``<reserved_N>``, unused type).
+
+    Values are plain Python objects; write them to GGUF with these types:
+
+    - ``tokenizer.ggml.model``, ``tokenizer.ggml.pre``: string
+    - ``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges`` (gpt2): array of string
+    - ``tokenizer.ggml.scores`` (llama): array of float32
+    - ``tokenizer.ggml.token_type``: array of int32
+    - ``tokenizer.ggml.bos_token_id``, ``eos_token_id``, ``eot_token_id`` (gpt2),
+      ``unknown_token_id`` (llama): uint32
+    - ``tokenizer.ggml.add_bos_token``, ``add_space_prefix`` (llama): bool
+
+    The result is a fresh dict each call (lists copied), so callers may modify it.
+    """
+    md = _synthetic_cached(kind, vocab_size)
+    return {k: list(v) if isinstance(v, list) else v for k, v in md.items()}
