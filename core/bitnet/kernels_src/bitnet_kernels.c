@@ -1,0 +1,445 @@
+/* bitnet GPU kernels, written once for OpenCL and CUDA.
+ *
+ * This body is the C subset OpenCL C 1.2 and CUDA C++ share; a vendor header (vendor_opencl.h or
+ * vendor_cuda.h, prepended by bitnet.kernels_src.source) spells KERNEL, GLOBAL, LOCAL, BARRIER, the
+ * index macros and the float math names. CUDA-only fast paths sit behind __CUDACC__ / __CUDA_ARCH__
+ * guards, each with the portable body that PoCL runs in CI.
+ *
+ * Launch conventions (the same for both hosts): work-groups of LSIZE threads along x, a power of two
+ * no larger than MAX_WG; GROUP_X / GROUP_Y index the grid. Activations are float32 row-major [n, width].
+ * Ternary weights keep the canonical layout (bitnet.ternary) read as 32-bit words: 16 words per
+ * 256-value block, one float scale per block. The host defines MAX_WG and TILE_N at build time.
+ */
+
+#ifndef MAX_WG
+#define MAX_WG 256
+#endif
+#ifndef TILE_N
+#define TILE_N 8 /* tokens per work-group in the matmuls: weights are read once per tile of tokens */
+#endif
+
+#define NEG_INF AS_FLOAT(0xff800000u)
+
+/* ---- work-group reductions (LSIZE must be a power of two; every thread must call them) ---------- */
+
+DEVICE float group_sum(LOCAL_PTR float* red, float v)
+{
+    red[TID] = v;
+    BARRIER();
+    for (int s = LSIZE / 2; s > 0; s >>= 1) {
+        if (TID < s) red[TID] += red[TID + s];
+        BARRIER();
+    }
+    const float r = red[0];
+    BARRIER(); /* all have read red[0] before the caller reuses red */
+    return r;
+}
+
+DEVICE int group_sum_int(LOCAL_PTR int* red, int v)
+{
+    red[TID] = v;
+    BARRIER();
+    for (int s = LSIZE / 2; s > 0; s >>= 1) {
+        if (TID < s) red[TID] += red[TID + s];
+        BARRIER();
+    }
+    const int r = red[0];
+    BARRIER();
+    return r;
+}
+
+DEVICE float group_max(LOCAL_PTR float* red, float v)
+{
+    red[TID] = v;
+    BARRIER();
+    for (int s = LSIZE / 2; s > 0; s >>= 1) {
+        if (TID < s) red[TID] = fmaxf(red[TID], red[TID + s]);
+        BARRIER();
+    }
+    const float r = red[0];
+    BARRIER();
+    return r;
+}
+
+/* The value of largest magnitude, sign kept (Q8_K's scale); which of +-v wins a tie does not change
+ * the quantized product, since q and d both flip sign. */
+DEVICE float group_max_magnitude(LOCAL_PTR float* red, float v)
+{
+    red[TID] = v;
+    BARRIER();
+    for (int s = LSIZE / 2; s > 0; s >>= 1) {
+        if (TID < s && fabsf(red[TID + s]) > fabsf(red[TID])) red[TID] = red[TID + s];
+        BARRIER();
+    }
+    const float r = red[0];
+    BARRIER();
+    return r;
+}
+
+/* ---- number formats ------------------------------------------------------------------------------ */
+
+/* IEEE half bits to float, exact (subnormals, infinities and NaN included), without branches so that
+ * it vectorizes; needs no cl_khr_fp16. */
+DEVICE float f16_to_f32(unsigned int h)
+{
+#ifdef __CUDACC__
+    return __half2float(__ushort_as_half((unsigned short)h));
+#else
+    const unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    const float sub = (float)m * 5.9604644775390625e-8f; /* zero and subnormals: m * 2^-24, exact */
+    const unsigned int bits = e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13);
+    return AS_FLOAT(sign | (e == 0 ? AS_UINT(sub) : bits));
+#endif
+}
+
+/* Sum of the four byte products: c holds four codes 0..2 (unsigned bytes), q four int8 values. */
+DEVICE int dot4_codes(unsigned int c, int q)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
+    return __dp4a((int)c, q, 0);
+#else
+    const unsigned int u = (unsigned int)q;
+    return (int)(c & 0xffu) * ((int)(u << 24) >> 24) + (int)((c >> 8) & 0xffu) * ((int)(u << 16) >> 24)
+         + (int)((c >> 16) & 0xffu) * ((int)(u << 8) >> 24) + (int)(c >> 24) * ((int)u >> 24);
+#endif
+}
+
+/* ---- ternary matmul ------------------------------------------------------------------------------- */
+
+/* Block word i holds bytes 4i..4i+3; byte j holds values 128*(j/32) + j%32 + 32k at bit shift 2k. So
+ * for each k the four bytes of a word meet four consecutive activations: one 32-bit word of int8 q.
+ * Returns sum(q * code), exactly, in int. The innermost loop runs over consecutive words of w and q,
+ * which a CPU compiler (PoCL) vectorizes; a GPU compiler unrolls it all. */
+DEVICE int block_dot_i8(const unsigned int* w, const GLOBAL int* RESTRICT q)
+{
+    int sum = 0;
+    for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 4; ++k)
+            for (int j = 0; j < 8; ++j)
+                sum += dot4_codes((w[8 * h + j] >> (2 * k)) & 0x03030303u, q[32 * h + 8 * k + j]);
+    return sum;
+}
+
+/* The float path ("none"): sum of x * (code - 1) over the block, in the same order of words. */
+DEVICE float block_dot_f32(const unsigned int* w, const GLOBAL float* RESTRICT x)
+{
+    float sum = 0.0f;
+    for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 4; ++k)
+            for (int j = 0; j < 8; ++j) {
+                const unsigned int c = w[8 * h + j] >> (2 * k);
+                const GLOBAL float* xs = x + 128 * h + 32 * k + 4 * j;
+                sum += ((float)((int)(c & 3u) - 1) * xs[0] + (float)((int)((c >> 8) & 3u) - 1) * xs[1])
+                     + ((float)((int)((c >> 16) & 3u) - 1) * xs[2]
+                        + (float)((int)((c >> 24) & 3u) - 1) * xs[3]);
+            }
+    return sum;
+}
+
+/* `lanes` consecutive threads hold partial sums acc[t] of one row for the tile's tokens; the first
+ * adds them in lane order and stores y[tok0 + t, row]. */
+DEVICE void store_tile(LOCAL_PTR float* red, const float* acc, GLOBAL float* RESTRICT y, int row, int rows,
+                       int lanes, int tok0, int nt, int active)
+{
+#pragma unroll
+    for (int t = 0; t < TILE_N; ++t) red[t * LSIZE + TID] = acc[t];
+    BARRIER();
+    if (active && TID % lanes == 0) {
+        for (int t = 0; t < nt; ++t) {
+            float s = 0.0f;
+            for (int l = 0; l < lanes; ++l) s += red[t * LSIZE + TID + l];
+            y[(size_t)(tok0 + t) * rows + row] = s;
+        }
+    }
+}
+
+/* A work-group computes LSIZE / lanes rows for TILE_N tokens (group y). The lanes of a row take its
+ * 256-blocks in turn, load a block's 16 code words once and use them for every token of the tile.
+ * int8 activations: the block's integer dot is exact, sum(q * (code - 1)) = sum(q * code) - sum(q)
+ * with sum(q) from the quantize kernel, and is scaled once, by d_w * d_x. */
+DEVICE void ternary_tile(const GLOBAL unsigned int* RESTRICT codes, const GLOBAL float* RESTRICT wscale,
+                         const GLOBAL int* RESTRICT q, const GLOBAL float* RESTRICT qscale,
+                         const GLOBAL int* RESTRICT qsum, const GLOBAL float* RESTRICT x, int float_act,
+                         GLOBAL float* RESTRICT y, int rows, int nb, int n, int lanes, LOCAL_PTR float* red)
+{
+    const int lane = TID % lanes, row = GROUP_X * (LSIZE / lanes) + TID / lanes;
+    const int tok0 = GROUP_Y * TILE_N, nt = min(TILE_N, n - tok0);
+    const int active = TID < (LSIZE / lanes) * lanes && row < rows;
+    float acc[TILE_N];
+#pragma unroll
+    for (int t = 0; t < TILE_N; ++t) acc[t] = 0.0f;
+    for (int b = lane; active && b < nb; b += lanes) {
+        const size_t wb = (size_t)row * nb + b;
+        unsigned int w[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = codes[wb * 16 + i];
+        const float ws = wscale[wb];
+#pragma unroll
+        for (int t = 0; t < TILE_N; ++t) {
+            if (t < nt) {
+                const size_t xb = (size_t)(tok0 + t) * nb + b;
+                if (float_act) acc[t] += ws * block_dot_f32(w, x + xb * 256);
+                else acc[t] += (ws * qscale[xb]) * (float)(block_dot_i8(w, q + xb * 64) - qsum[xb]);
+            }
+        }
+    }
+    store_tile(red, acc, y, row, rows, lanes, tok0, nt, active);
+}
+
+KERNEL ternary_matmul_i8(const GLOBAL unsigned int* RESTRICT codes, const GLOBAL float* RESTRICT wscale,
+                         const GLOBAL int* RESTRICT q, const GLOBAL float* RESTRICT qscale,
+                         const GLOBAL int* RESTRICT qsum, GLOBAL float* RESTRICT y, int rows, int nb, int n,
+                         int lanes)
+{
+    LOCAL float red[MAX_WG * TILE_N];
+    ternary_tile(codes, wscale, q, qscale, qsum, 0, 0, y, rows, nb, n, lanes, red);
+}
+
+KERNEL ternary_matmul_f32(const GLOBAL unsigned int* RESTRICT codes, const GLOBAL float* RESTRICT wscale,
+                          const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT y, int rows, int nb, int n,
+                          int lanes)
+{
+    LOCAL float red[MAX_WG * TILE_N];
+    ternary_tile(codes, wscale, 0, 0, 0, x, 1, y, rows, nb, n, lanes, red);
+}
+
+/* int8 activations for ternary_matmul_i8. Group (b, row) quantizes block b of the row and stores q,
+ * the block's d (x ~ q * d) and sum(q). mode 0, "row" (BitNet b1.58): s = 127 / max|x| over the whole
+ * row; each group rescans the row for it, which is cheap next to the matmul and keeps one launch with
+ * a group per block. mode 1, "block256" (llama.cpp Q8_K): v = the value of largest magnitude of the
+ * block, s = -127 / v. Both: q = clamp(rint(x * s), -128, 127) (round half to even), d = 1 / s. */
+KERNEL quantize_i8(const GLOBAL float* RESTRICT x, GLOBAL signed char* RESTRICT q,
+                   GLOBAL float* RESTRICT qscale, GLOBAL int* RESTRICT qsum, int cols, int mode)
+{
+    LOCAL float red[MAX_WG];
+    LOCAL int ired[MAX_WG];
+    const int b = GROUP_X, row = GROUP_Y, nb = cols / 256;
+    const GLOBAL float* xr = x + (size_t)row * cols;
+    float s;
+    if (mode == 0) {
+        float m = 0.0f;
+        for (int e = TID; e < cols; e += LSIZE) m = fmaxf(m, fabsf(xr[e]));
+        m = group_max(red, m);
+        s = m > 0.0f ? 127.0f / m : 0.0f;
+    } else {
+        float v = 0.0f;
+        for (int e = TID; e < 256; e += LSIZE) {
+            const float xe = xr[b * 256 + e];
+            if (fabsf(xe) > fabsf(v)) v = xe;
+        }
+        v = group_max_magnitude(red, v);
+        s = v != 0.0f ? -127.0f / v : 0.0f;
+    }
+    int sum = 0;
+    for (int e = TID; e < 256; e += LSIZE) {
+        const int qe = (int)fminf(fmaxf(rintf(xr[b * 256 + e] * s), -128.0f), 127.0f);
+        q[(size_t)row * cols + b * 256 + e] = (signed char)qe;
+        sum += qe;
+    }
+    sum = group_sum_int(ired, sum);
+    if (TID == 0) {
+        qscale[(size_t)row * nb + b] = s != 0.0f ? 1.0f / s : 0.0f;
+        qsum[(size_t)row * nb + b] = sum;
+    }
+}
+
+/* ---- dense matmul: the F16 / F32 LM head ------------------------------------------------------------ */
+
+/* Same tiling as ternary_tile. The lanes of a row take 8 consecutive elements each in turn (16 or 32
+ * contiguous bytes per lane, coalesced across lanes on a GPU); the 8 products are summed as a tree,
+ * an order a CPU compiler may vectorize without reassociating. A scalar tail covers cols % 8. */
+DEVICE void dense_tile(const GLOBAL unsigned short* RESTRICT w16, const GLOBAL float* RESTRICT w32,
+                       int is_f16, const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT y, int rows,
+                       int cols, int n, int lanes, LOCAL_PTR float* red)
+{
+    const int lane = TID % lanes, row = GROUP_X * (LSIZE / lanes) + TID / lanes;
+    const int tok0 = GROUP_Y * TILE_N, nt = min(TILE_N, n - tok0);
+    const int active = TID < (LSIZE / lanes) * lanes && row < rows;
+    float acc[TILE_N];
+#pragma unroll
+    for (int t = 0; t < TILE_N; ++t) acc[t] = 0.0f;
+    for (int c = lane; active && c < cols / 8; c += lanes) {
+        const size_t we = (size_t)row * cols + 8 * c;
+        float w[8];
+        for (int j = 0; j < 8; ++j) w[j] = is_f16 ? f16_to_f32(w16[we + j]) : w32[we + j];
+#pragma unroll
+        for (int t = 0; t < TILE_N; ++t) {
+            if (t < nt) {
+                const GLOBAL float* xt = x + (size_t)(tok0 + t) * cols + 8 * c;
+                acc[t] += ((w[0] * xt[0] + w[1] * xt[1]) + (w[2] * xt[2] + w[3] * xt[3]))
+                        + ((w[4] * xt[4] + w[5] * xt[5]) + (w[6] * xt[6] + w[7] * xt[7]));
+            }
+        }
+    }
+    for (int e = cols / 8 * 8 + lane; active && e < cols; e += lanes) {
+        const size_t we = (size_t)row * cols + e;
+        const float w = is_f16 ? f16_to_f32(w16[we]) : w32[we];
+#pragma unroll
+        for (int t = 0; t < TILE_N; ++t)
+            if (t < nt) acc[t] += w * x[(size_t)(tok0 + t) * cols + e];
+    }
+    store_tile(red, acc, y, row, rows, lanes, tok0, nt, active);
+}
+
+KERNEL lm_head_f16(const GLOBAL unsigned short* RESTRICT w, const GLOBAL float* RESTRICT x,
+                   GLOBAL float* RESTRICT y, int rows, int cols, int n, int lanes)
+{
+    LOCAL float red[MAX_WG * TILE_N];
+    dense_tile(w, 0, 1, x, y, rows, cols, n, lanes, red);
+}
+
+KERNEL lm_head_f32(const GLOBAL float* RESTRICT w, const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT y,
+                   int rows, int cols, int n, int lanes)
+{
+    LOCAL float red[MAX_WG * TILE_N];
+    dense_tile(0, w, 0, x, y, rows, cols, n, lanes, red);
+}
+
+/* Index of the largest value of each row (group = row), first on ties; NaN is skipped. */
+KERNEL argmax_f32(const GLOBAL float* RESTRICT x, GLOBAL int* RESTRICT out, int cols)
+{
+    LOCAL float rv[MAX_WG];
+    LOCAL int ri[MAX_WG];
+    const GLOBAL float* xr = x + (size_t)GROUP_X * cols;
+    float bv = NEG_INF;
+    int bi = cols; /* "none yet": loses every tie against a real index */
+    for (int e = TID; e < cols; e += LSIZE) {
+        const float v = xr[e];
+        if (v == v && (v > bv || bi == cols)) { bv = v; bi = e; }
+    }
+    rv[TID] = bv;
+    ri[TID] = bi;
+    BARRIER();
+    for (int s = LSIZE / 2; s > 0; s >>= 1) {
+        if (TID < s) {
+            const float ov = rv[TID + s];
+            const int oi = ri[TID + s];
+            if (ov > rv[TID] || (ov == rv[TID] && oi < ri[TID])) { rv[TID] = ov; ri[TID] = oi; }
+        }
+        BARRIER();
+    }
+    if (TID == 0) out[GROUP_X] = ri[0] < cols ? ri[0] : 0;
+}
+
+/* ---- row-wise and element-wise ops ------------------------------------------------------------------ */
+
+KERNEL rmsnorm_f32(const GLOBAL float* RESTRICT x, const GLOBAL float* RESTRICT w, GLOBAL float* RESTRICT out,
+                   int cols, float eps)
+{
+    LOCAL float red[MAX_WG];
+    const GLOBAL float* xr = x + (size_t)GROUP_X * cols;
+    GLOBAL float* o = out + (size_t)GROUP_X * cols;
+    float ss = 0.0f;
+    for (int e = TID; e < cols; e += LSIZE) ss += xr[e] * xr[e];
+    const float r = 1.0f / sqrtf(group_sum(red, ss) / (float)cols + eps);
+    for (int e = TID; e < cols; e += LSIZE) o[e] = xr[e] * r * w[e];
+}
+
+/* NEOX rotary embedding: the pair (j, j + head_dim / 2) of each head turns by the angle of its row's
+ * position; cos and sin come from [position][head_dim / 2] tables the host computes once, in float64. */
+KERNEL rope_neox_f32(const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT out,
+                     const GLOBAL float* RESTRICT cos_t, const GLOBAL float* RESTRICT sin_t, int n_heads,
+                     int head_dim, int pos0)
+{
+    const int i = GROUP_Y, e = GLOBAL_X, pairs = head_dim / 2;
+    if (e >= n_heads * pairs) return;
+    const size_t a = (size_t)i * n_heads * head_dim + (size_t)(e / pairs) * head_dim + e % pairs;
+    const size_t at = (size_t)(pos0 + i) * pairs + e % pairs;
+    const float c = cos_t[at], s = sin_t[at], x0 = x[a], x1 = x[a + pairs];
+    out[a] = x0 * c - x1 * s;
+    out[a + pairs] = x1 * c + x0 * s;
+}
+
+/* K and V rows for positions pos0.. into the cache, laid out [layer][kv_head][position][dim] so that
+ * attention reads each head's history contiguously. */
+KERNEL kv_store_f32(const GLOBAL float* RESTRICT k, const GLOBAL float* RESTRICT v, GLOBAL float* RESTRICT kc,
+                    GLOBAL float* RESTRICT vc, int layer, int pos0, int n_kv_heads, int head_dim, int n_ctx)
+{
+    const int i = GROUP_Y, e = GLOBAL_X, width = n_kv_heads * head_dim;
+    if (e >= width) return;
+    const size_t head = (size_t)layer * n_kv_heads + e / head_dim;
+    const size_t at = (head * n_ctx + pos0 + i) * head_dim + e % head_dim;
+    kc[at] = k[(size_t)i * width + e];
+    vc[at] = v[(size_t)i * width + e];
+}
+
+/* Causal grouped-query attention of query row i (position pos0 + i), head h: group (h, i). One pass
+ * over the head's positions in chunks of LSIZE with an online softmax (running max m and sum l; the
+ * output row, owned by this group, is rescaled when m grows), so no n_ctx-sized score buffer exists.
+ * Thread t scores position c0 + t; then threads take dimensions and accumulate p * V. */
+KERNEL attention_f32(const GLOBAL float* RESTRICT q, const GLOBAL float* RESTRICT kc,
+                     const GLOBAL float* RESTRICT vc, GLOBAL float* RESTRICT out, int layer, int pos0,
+                     int n_heads, int n_kv_heads, int head_dim, int n_ctx, float scale)
+{
+    LOCAL float p[MAX_WG];
+    LOCAL float red[MAX_WG];
+    const int h = GROUP_X, i = GROUP_Y, n_kv = pos0 + i + 1;
+    const size_t head = ((size_t)layer * n_kv_heads + h / (n_heads / n_kv_heads)) * n_ctx * head_dim;
+    const GLOBAL float* K = kc + head;
+    const GLOBAL float* V = vc + head;
+    const GLOBAL float* qh = q + ((size_t)i * n_heads + h) * head_dim;
+    GLOBAL float* o = out + ((size_t)i * n_heads + h) * head_dim;
+    float m = NEG_INF, l = 0.0f;
+    for (int d = TID; d < head_dim; d += LSIZE) o[d] = 0.0f;
+    for (int c0 = 0; c0 < n_kv; c0 += LSIZE) {
+        const int pos = c0 + TID;
+        float s = NEG_INF;
+        if (pos < n_kv) {
+            s = 0.0f;
+            for (int d = 0; d < head_dim; ++d) s += qh[d] * K[(size_t)pos * head_dim + d];
+            s *= scale;
+        }
+        const float m_new = fmaxf(m, group_max(red, s));
+        const float alpha = expf(m - m_new); /* 0 on the first chunk */
+        p[TID] = pos < n_kv ? expf(s - m_new) : 0.0f;
+        l = l * alpha + group_sum(red, p[TID]); /* its barriers also publish p */
+        const int cnt = min(LSIZE, n_kv - c0);
+        for (int d = TID; d < head_dim; d += LSIZE) {
+            float acc = o[d] * alpha;
+            for (int j = 0; j < cnt; ++j) acc += p[j] * V[(size_t)(c0 + j) * head_dim + d];
+            o[d] = acc;
+        }
+        m = m_new;
+        BARRIER(); /* p is rewritten by the next chunk */
+    }
+    for (int d = TID; d < head_dim; d += LSIZE) o[d] /= l;
+}
+
+KERNEL silu_mul_f32(const GLOBAL float* RESTRICT g, const GLOBAL float* RESTRICT u,
+                    GLOBAL float* RESTRICT out, int count)
+{
+    const int e = GLOBAL_X;
+    if (e < count) out[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
+}
+
+KERNEL relu2_mul_f32(const GLOBAL float* RESTRICT g, const GLOBAL float* RESTRICT u,
+                     GLOBAL float* RESTRICT out, int count)
+{
+    const int e = GLOBAL_X;
+    if (e < count) {
+        const float r = fmaxf(g[e], 0.0f);
+        out[e] = r * r * u[e];
+    }
+}
+
+KERNEL add_f32(const GLOBAL float* RESTRICT a, const GLOBAL float* RESTRICT b, GLOBAL float* RESTRICT out,
+               int count)
+{
+    const int e = GLOBAL_X;
+    if (e < count) out[e] = a[e] + b[e];
+}
+
+/* Row ids[i] of a [vocab, dim] table into row i of out (group y = i). */
+KERNEL embed_f16(const GLOBAL unsigned short* RESTRICT table, const GLOBAL int* RESTRICT ids,
+                 GLOBAL float* RESTRICT out, int dim)
+{
+    const int e = GLOBAL_X, i = GROUP_Y;
+    if (e < dim) out[(size_t)i * dim + e] = f16_to_f32(table[(size_t)ids[i] * dim + e]);
+}
+
+KERNEL embed_f32(const GLOBAL float* RESTRICT table, const GLOBAL int* RESTRICT ids,
+                 GLOBAL float* RESTRICT out, int dim)
+{
+    const int e = GLOBAL_X, i = GROUP_Y;
+    if (e < dim) out[(size_t)i * dim + e] = table[(size_t)ids[i] * dim + e];
+}

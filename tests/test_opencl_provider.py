@@ -1,0 +1,275 @@
+"""The OpenCL provider on a real OpenCL device (PoCL in CI) against the NumPy ReferenceProvider.
+
+Float ops must agree within 1e-4 of the largest reference value; integer parts exactly. Each test
+module (so each xdist worker) opens its own context; tests that close a provider open their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyopencl as cl
+import pytest
+
+from bitnet import kernels_src
+from bitnet.backends import Device
+from bitnet.errors import NoBackendError, UsageError
+from bitnet.reference import ReferenceProvider
+from bitnet.ternary import from_values
+from bitnet_opencl.provider import TILE_N, OpenCLProvider
+
+MODES = ("row", "block256", "none")
+
+
+def _first_device() -> Device | None:
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:
+        return None
+    for p_index, platform in enumerate(platforms):
+        try:
+            if platform.get_devices():
+                return Device("opencl", 0, platform.get_devices()[0].name.strip(),
+                              properties={"platform_index": p_index, "device_index": 0})
+        except cl.Error:
+            continue
+    return None
+
+
+DEVICE = _first_device()
+pytestmark = [pytest.mark.opencl,
+              pytest.mark.skipif(DEVICE is None, reason="pyopencl finds no OpenCL platform with a device")]
+
+
+@pytest.fixture(scope="module")
+def ocl():
+    p = OpenCLProvider(DEVICE)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def fresh():
+    p = OpenCLProvider(DEVICE)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def ref():
+    return ReferenceProvider()
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rtol: float = 1e-4) -> None:
+    """Within rtol of the largest reference value (per-element relative error is meaningless where
+    sums cancel to near zero)."""
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * float(np.max(np.abs(want))))
+
+
+def ternary(rng: np.random.Generator, rows: int, cols: int):
+    t = rng.integers(-1, 2, size=(rows, cols)).astype(np.int8)
+    return from_values(t, rng.uniform(0.5, 2.0, (rows, cols // 256)).astype(np.float32))
+
+
+# -- ternary matmul ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("act_quant", MODES)
+@pytest.mark.parametrize("n", [1, 5, 2 * TILE_N + 3])
+def test_bitlinear_matches_reference(ocl, ref, act_quant, n):
+    rng = np.random.default_rng(n)
+    w = ternary(rng, 203, 768)  # rows not a multiple of a work-group's rows
+    x = rng.standard_normal((n, 768)).astype(np.float32)
+    x[0, 256:512] = 0  # an all-zero block (Q8_K's d = 0)
+    if n > 1:
+        x[1] = 0  # an all-zero row (the row scale's 127 / 0)
+    got = ocl.to_host(ocl.bitlinear(ocl.upload_float(x), ocl.upload_ternary(w), act_quant))
+    assert_close(got, ref.bitlinear(x, w, act_quant))
+
+
+@pytest.mark.parametrize("rows, cols", [(2560, 2560), (96, 6912)])
+def test_bitlinear_model_shapes(ocl, ref, rows, cols):
+    rng = np.random.default_rng(rows)
+    w, x = ternary(rng, rows, cols), rng.standard_normal((1, cols)).astype(np.float32)
+    got = ocl.to_host(ocl.bitlinear(ocl.upload_float(x), ocl.upload_ternary(w), "row"))
+    assert_close(got, ref.bitlinear(x, w, "row"))
+
+
+@pytest.mark.parametrize("act_quant", ["row", "block256"])
+def test_integer_dot_is_exact(ocl, act_quant):
+    """With max|x| = 127 in every block and unit weight scales, both quantizers reduce to q = rint(x)
+    (ties to even) and d = +-1, so the output is the integer dot itself, bit for bit."""
+    rng = np.random.default_rng(7)
+    n, rows, cols = TILE_N + 1, 67, 1024
+    x = rng.integers(-126, 127, size=(n, cols)).astype(np.float32)
+    x += rng.choice(np.float32([0, 0.5]), size=x.shape)  # halves: round half to even decides
+    x[:, ::256] = np.float32(127) * rng.choice([-1, 1], size=(n, cols // 256))
+    t = rng.integers(-1, 2, size=(rows, cols)).astype(np.int8)
+    want = (np.rint(x).astype(np.int64) @ t.T.astype(np.int64)).astype(np.float32)
+    got = ocl.to_host(ocl.bitlinear(ocl.upload_float(x), ocl.upload_ternary(from_values(t, 1.0)), act_quant))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bitlinear_rejects_unknown_mode(ocl):
+    w = ternary(np.random.default_rng(0), 4, 256)
+    with pytest.raises(UsageError, match="activation quantization"):
+        ocl.bitlinear(ocl.upload_float(np.ones((1, 256), np.float32)), ocl.upload_ternary(w), "int4")
+
+
+# -- row-wise, element-wise --------------------------------------------------------------------------
+def test_rmsnorm(ocl, ref):
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((6, 2560)).astype(np.float32), rng.standard_normal(2560).astype(np.float32)
+    got = ocl.to_host(ocl.rmsnorm(ocl.upload_float(x), ocl.upload_float(w), 1e-5))
+    assert_close(got, ref.rmsnorm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_rope(ocl, ref, theta):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((7, 3 * 128)).astype(np.float32)
+    for pos0 in (0, 300):  # 300 + 7 grows the cos/sin table past its first 256 positions
+        got = ocl.to_host(ocl.rope(ocl.upload_float(x), 3, 128, pos0, theta))
+        assert_close(got, ref.rope(x, 3, 128, pos0, theta))
+
+
+@pytest.mark.parametrize("act", ["silu", "relu2"])
+def test_act_mul(ocl, ref, act):
+    rng = np.random.default_rng(3)
+    g, u = (rng.standard_normal((3, 1000)).astype(np.float32) * 4 for _ in range(2))
+    got = ocl.to_host(ocl.act_mul(ocl.upload_float(g), ocl.upload_float(u), act))
+    assert_close(got, ref.act_mul(g, u, act))
+
+
+def test_add_and_last_row(ocl, ref):
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((5, 300)).astype(np.float32), rng.standard_normal((5, 300)).astype(np.float32)
+    s = ocl.add(ocl.upload_float(a), ocl.upload_float(b))
+    np.testing.assert_array_equal(ocl.to_host(s), ref.add(a, b))
+    np.testing.assert_array_equal(ocl.to_host(ocl.last_row(s)), ref.add(a, b)[-1:])
+
+
+# -- embedding, LM head, argmax ------------------------------------------------------------------------
+def test_embed_f16_converts_every_half_exactly(ocl):
+    table = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)  # every bit pattern
+    ids = np.random.default_rng(5).permutation(256).astype(np.int32)
+    got = ocl.to_host(ocl.embed(ocl.upload_float(table), ids))
+    want = table[ids].astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # -0 and subnormals
+
+
+def test_embed_f32(ocl, ref):
+    table = np.random.default_rng(6).standard_normal((50, 200)).astype(np.float32)
+    ids = np.array([3, 49, 0, 3], np.int32)
+    np.testing.assert_array_equal(ocl.to_host(ocl.embed(ocl.upload_float(table), ids)), ref.embed(table, ids))
+    with pytest.raises(UsageError, match="out of range"):
+        ocl.embed(ocl.upload_float(table), np.array([50], np.int32))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n, dim", [(1, 256), (TILE_N + 2, 204)])  # 204: a tail beyond 8-element chunks
+def test_lm_head(ocl, ref, dtype, n, dim):
+    rng = np.random.default_rng(dim)
+    table = rng.standard_normal((1001, dim)).astype(dtype)
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    got = ocl.to_host(ocl.lm_head(ocl.upload_float(x), ocl.upload_float(table)))
+    assert_close(got, ref.lm_head(x, table))
+
+
+def test_argmax_first_on_ties(ocl, ref):
+    logits = np.random.default_rng(8).standard_normal((3, 50000)).astype(np.float32)
+    logits[0, [7, 4000, 49999]] = 100.0
+    logits[2] = -5.0
+    got = ocl.argmax(ocl.upload_float(logits))
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, ref.argmax(logits))
+    assert list(got[[0, 2]]) == [7, 0]
+
+
+# -- attention -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("head_dim, prompt", [(16, 21), (128, 150)])  # several chunks of head_dim positions
+def test_attention_gqa_prefill_then_decode(ocl, ref, head_dim, prompt):
+    rng = np.random.default_rng(head_dim)
+    n_heads, n_kv, n_layers, n_ctx = 8, 2, 2, prompt + 8
+    c_ocl = ocl.kv_cache(n_layers, n_ctx, n_kv, head_dim)
+    c_ref = ref.kv_cache(n_layers, n_ctx, n_kv, head_dim)
+    pos0 = 0
+    for n in (prompt, 1, 1, 1, 3):
+        for layer in (1, 0):  # different data per layer: the cache's layer offset matters
+            q = 3 * rng.standard_normal((n, n_heads * head_dim)).astype(np.float32)  # peaked softmax
+            k, v = (rng.standard_normal((n, n_kv * head_dim)).astype(np.float32) for _ in range(2))
+            dq, dk, dv = (ocl.upload_float(a) for a in (q, k, v))
+            got = ocl.to_host(ocl.attention(dq, dk, dv, c_ocl, layer, pos0, n_heads, n_kv, head_dim))
+            assert_close(got, ref.attention(q, k, v, c_ref, layer, pos0, n_heads, n_kv, head_dim))
+        pos0 += n
+
+
+def test_attention_refuses_unwritten_or_overflowing_positions(ocl):
+    cache = ocl.kv_cache(1, 4, 1, 16)
+    x = ocl.upload_float(np.ones((2, 16), np.float32))
+    with pytest.raises(UsageError, match="follows only 0"):
+        ocl.attention(x, x, x, cache, 0, 1, 1, 1, 16)
+    ocl.attention(x, x, x, cache, 0, 0, 1, 1, 16)
+    with pytest.raises(UsageError, match="exceed the context"):
+        ocl.attention(x, x, x, cache, 0, 3, 1, 1, 16)
+
+
+# -- program build, memory, receipts ----------------------------------------------------------------------
+def test_build_failure_raises_with_build_log():
+    broken = kernels_src.source("opencl") + "\nKERNEL broken(GLOBAL float* x) { x[0] = no_such_symbol; }\n"
+    with pytest.raises(NoBackendError, match="no_such_symbol") as err:
+        OpenCLProvider(DEVICE, source=broken)
+    assert "build failed" in str(err.value)
+
+
+def _layer_like(p: OpenCLProvider, w, norm, x) -> np.ndarray:
+    h = p.rmsnorm(x, norm, 1e-5)
+    y = p.add(x, p.bitlinear(h, w, "row"))
+    return p.to_host(p.act_mul(y, y, "silu"))
+
+
+def test_pool_reuses_buffers_and_close_leaves_nothing(fresh):
+    rng = np.random.default_rng(9)
+    w, norm = fresh.upload_ternary(ternary(rng, 512, 512)), fresh.upload_float(np.ones(512, np.float32))
+    x = fresh.upload_float(rng.standard_normal((2, 512)).astype(np.float32))
+    first = _layer_like(fresh, w, norm, x)
+    allocations = fresh.pool.stats.allocations
+    np.testing.assert_array_equal(_layer_like(fresh, w, norm, x), first)
+    stats = fresh.pool.stats
+    assert stats.allocations == allocations and stats.cache_hits > 0  # the steady state allocates nothing
+    assert stats.peak >= stats.current > 0 and fresh.leaks() == []
+    fresh.close()
+    fresh.close()  # idempotent
+    assert (stats.current, stats.in_use, fresh.leaks()) == (0, 0, [])
+
+
+def test_held_activation_is_reported_as_leak(fresh):
+    x = fresh.upload_float(np.ones((1, 64), np.float32))
+    held = fresh.add(x, x)
+    assert fresh.leaks() == ["activation (256 bytes)"]
+    fresh.close()
+    assert fresh.leaks() == ["activation (256 bytes)"] and fresh.pool.stats.current == 0
+    del held  # its finalizer runs after close without touching released memory
+
+
+def test_dispatches_record_what_ran(fresh):
+    w = fresh.upload_ternary(ternary(np.random.default_rng(0), 8, 256))
+    x = fresh.upload_float(np.ones((1, 256), np.float32))
+    fresh.bitlinear(x, w, "block256")
+    fresh.bitlinear(x, w, "none")
+    fresh.argmax(fresh.last_row(x))
+    assert dict(fresh.dispatches) == {"quantize_i8": 1, "ternary_matmul_i8": 1, "ternary_matmul_f32": 1,
+                                      "copy_last_row": 1, "argmax_f32": 1}
+
+
+# -- the portable source ------------------------------------------------------------------------------------
+def test_kernel_body_is_vendor_neutral():
+    """OpenCL spellings belong in vendor_opencl.h only: the body must also compile as CUDA."""
+    body = kernels_src.source("opencl").split('#line 1 "bitnet_kernels.c"', 1)[1]
+    for word in ("__kernel", "__global", "__local", "get_local_id", "get_group_id", "get_global_id",
+                 "barrier(", "CLK_", "as_float(", "as_uint(", "vload"):
+        assert word not in body, f"{word!r} in the portable kernel body"
+    assert kernels_src.source("cuda").startswith('#line 1 "vendor_cuda.h"')
+    with pytest.raises(ValueError, match="vendor"):
+        kernels_src.source("metal")
