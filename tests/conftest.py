@@ -30,3 +30,29 @@ def run_cli(*args: str, env: dict[str, str] | None = None, python: str = sys.exe
 @pytest.fixture
 def cli():
     return run_cli
+
+
+# --- model / engine fixtures (reference provider, transformer, engine tests) -----------------------
+
+# Parallel workers (pytest -n auto) times multi-threaded OpenBLAS oversubscribe the cores, and
+# OpenBLAS threads then spin: a 20 ms prefill of the default model took 1 s. One thread each.
+# (Effective only if numpy is not imported yet, which holds when conftest is collected.)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# float_reference.py is a helper module beside the tests, importable whatever pytest's import mode.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="session")
+def bitnet_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One cache directory per test session (per xdist worker) for the default model."""
+    return str(tmp_path_factory.mktemp("bitnet-cache"))
+
+
+@pytest.fixture
+def cpu_env(monkeypatch: pytest.MonkeyPatch, bitnet_cache_dir: str) -> None:
+    """Run on the CPU backend, with the default model cached under a temporary directory."""
+    for name in BITNET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("BITNET_CACHE_DIR", bitnet_cache_dir)
+    monkeypatch.setenv("BITNET_DEVICE", "cpu")

@@ -58,7 +58,7 @@ class KernelProvider(ABC):
     def to_host(self, x: Any) -> np.ndarray:
         """Copy an activation back as float32 [n, width], after the work that writes it."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: providers without device memory need nothing)
         """Release device memory. Idempotent."""
 
     # -- operations ----------------------------------------------------------------------------
@@ -79,6 +79,13 @@ class KernelProvider(ABC):
         "block256": llama.cpp's Q8_K, per 256 values: v = the value of largest magnitude,
         iscale = -127/v, q = rint(x*iscale), y = sum over blocks of d_w * (1/iscale) * sum(q*t).
         "none": float x times the ternary values times their scale.
+
+        Quantization is float32 arithmetic (s = float32(127) / max|x|, then x * s, both float32),
+        so that every backend makes the same rounding decisions. An all-zero row gives y = 0
+        ("row"); an all-zero block contributes 0 ("block256"; llama.cpp stores d = 0). v is the
+        first value of largest magnitude. A block's integer sum fits 16 bits and a row's 24 bits
+        (cols < 2**17), so float32 accumulation of them is exact. The oracle is
+        bitnet.reference.ReferenceProvider.
         """
 
     @abstractmethod

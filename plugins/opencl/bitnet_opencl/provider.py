@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -219,6 +219,10 @@ class OpenCLProvider(KernelProvider):
     def leaks(self) -> list[str]:
         """Activations not given back: still held, or still held when the provider closed."""
         return self.pool.leaks()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Device memory of this provider's pool (receipts report the peak)."""
+        return {"peak_bytes": self.pool.stats.peak, **asdict(self.pool.stats)}
 
     # -- memory ---------------------------------------------------------------------------------------
     def upload_ternary(self, w: TernaryMatrix) -> TernaryWeight:
