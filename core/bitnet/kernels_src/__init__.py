@@ -7,6 +7,7 @@ rest (qualifiers, index macros, barriers, math names) for one vendor. Plugins co
 
 from __future__ import annotations
 
+import re
 from importlib.resources import files
 
 VENDORS = ("opencl", "cuda")
@@ -21,3 +22,9 @@ def source(vendor: str) -> str:
     header = f"vendor_{vendor}.h"
     return (f'#line 1 "{header}"\n' + here.joinpath(header).read_text(encoding="utf-8")
             + f'\n#line 1 "{BODY}"\n' + here.joinpath(BODY).read_text(encoding="utf-8"))
+
+
+def kernel_names(text: str) -> list[str]:
+    """The kernels a source text declares (`KERNEL name(` at the start of a line), in order. A CUDA build
+    exports every one; an OpenCL build skips those inside `#ifdef __CUDACC__`."""
+    return re.findall(r"^KERNEL\s+(\w+)\s*\(", text, flags=re.M)

@@ -22,8 +22,43 @@
 
 /* ---- work-group reductions (LSIZE must be a power of two; every thread must call them) ---------- */
 
+#ifdef __CUDACC__
+#define WARP 32
+#define SUM(a, b) ((a) + (b))
+/* Larger magnitude, then the larger value: a total order, so every lane of a butterfly agrees on the
+ * winner (the portable tree keeps either sign on a tie; both give the same product, see below). */
+#define MAX_MAGNITUDE(a, b) (fabsf(b) > fabsf(a) || (fabsf(b) == fabsf(a) && (b) > (a)) ? (b) : (a))
+/* v combined with OP (commutative) over the work-group by warp shuffles: a butterfly leaves every lane
+ * of a warp with the warp's result, one shared slot per warp carries those across, a second butterfly
+ * combines them. Commutativity makes the results bit-identical in every thread, as the portable tree
+ * gives them. The closing barrier keeps the portable contract: shared writes made before the call are
+ * visible after it (attention relies on this), and `red` may be reused at once. */
+#define GROUP_REDUCE(T, red, v, OP)                                                                 \
+    do {                                                                                          \
+        const unsigned int mask_ = LSIZE >= WARP ? 0xffffffffu : (1u << LSIZE) - 1u;              \
+        for (int o_ = min(LSIZE, WARP) / 2; o_ > 0; o_ >>= 1) {                                   \
+            const T w_ = __shfl_xor_sync(mask_, v, o_);                                           \
+            v = OP(v, w_);                                                                        \
+        }                                                                                         \
+        if (LSIZE > WARP) {                                                                       \
+            if (TID % WARP == 0) red[TID / WARP] = v;                                             \
+            BARRIER();                                                                            \
+            v = red[TID % (LSIZE / WARP)];                                                        \
+            for (int o_ = LSIZE / WARP / 2; o_ > 0; o_ >>= 1) {                                   \
+                const T w_ = __shfl_xor_sync(0xffffffffu, v, o_);                                 \
+                v = OP(v, w_);                                                                    \
+            }                                                                                     \
+        }                                                                                         \
+        BARRIER();                                                                                \
+    } while (0)
+#endif
+
 DEVICE float group_sum(LOCAL_PTR float* red, float v)
 {
+#ifdef __CUDACC__
+    GROUP_REDUCE(float, red, v, SUM);
+    return v;
+#else
     red[TID] = v;
     BARRIER();
     for (int s = LSIZE / 2; s > 0; s >>= 1) {
@@ -33,10 +68,15 @@ DEVICE float group_sum(LOCAL_PTR float* red, float v)
     const float r = red[0];
     BARRIER(); /* all have read red[0] before the caller reuses red */
     return r;
+#endif
 }
 
 DEVICE int group_sum_int(LOCAL_PTR int* red, int v)
 {
+#ifdef __CUDACC__
+    GROUP_REDUCE(int, red, v, SUM);
+    return v;
+#else
     red[TID] = v;
     BARRIER();
     for (int s = LSIZE / 2; s > 0; s >>= 1) {
@@ -46,10 +86,15 @@ DEVICE int group_sum_int(LOCAL_PTR int* red, int v)
     const int r = red[0];
     BARRIER();
     return r;
+#endif
 }
 
 DEVICE float group_max(LOCAL_PTR float* red, float v)
 {
+#ifdef __CUDACC__
+    GROUP_REDUCE(float, red, v, fmaxf);
+    return v;
+#else
     red[TID] = v;
     BARRIER();
     for (int s = LSIZE / 2; s > 0; s >>= 1) {
@@ -59,12 +104,17 @@ DEVICE float group_max(LOCAL_PTR float* red, float v)
     const float r = red[0];
     BARRIER();
     return r;
+#endif
 }
 
 /* The value of largest magnitude, sign kept (Q8_K's scale); which of +-v wins a tie does not change
  * the quantized product, since q and d both flip sign. */
 DEVICE float group_max_magnitude(LOCAL_PTR float* red, float v)
 {
+#ifdef __CUDACC__
+    GROUP_REDUCE(float, red, v, MAX_MAGNITUDE);
+    return v;
+#else
     red[TID] = v;
     BARRIER();
     for (int s = LSIZE / 2; s > 0; s >>= 1) {
@@ -74,6 +124,7 @@ DEVICE float group_max_magnitude(LOCAL_PTR float* red, float v)
     const float r = red[0];
     BARRIER();
     return r;
+#endif
 }
 
 /* ---- number formats ------------------------------------------------------------------------------ */
@@ -113,10 +164,28 @@ DEVICE int dot4_codes(unsigned int c, int q)
 DEVICE int block_dot_i8(const unsigned int* w, const GLOBAL int* RESTRICT q)
 {
     int sum = 0;
+#ifdef __CUDACC__
+    /* The 8 activation words of each (h, k) step as two 128-bit loads: a block of q starts 256 bytes
+     * into a 256-byte aligned buffer (cuMemAlloc aligns that much), and nvcc cannot know it. */
+    const int4* q4 = (const int4*)q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int4 a = q4[8 * h + 2 * k], b = q4[8 * h + 2 * k + 1];
+            const unsigned int* wh = w + 8 * h;
+            const int sh = 2 * k;
+            sum += dot4_codes((wh[0] >> sh) & 0x03030303u, a.x) + dot4_codes((wh[1] >> sh) & 0x03030303u, a.y)
+                 + dot4_codes((wh[2] >> sh) & 0x03030303u, a.z) + dot4_codes((wh[3] >> sh) & 0x03030303u, a.w)
+                 + dot4_codes((wh[4] >> sh) & 0x03030303u, b.x) + dot4_codes((wh[5] >> sh) & 0x03030303u, b.y)
+                 + dot4_codes((wh[6] >> sh) & 0x03030303u, b.z) + dot4_codes((wh[7] >> sh) & 0x03030303u, b.w);
+        }
+#else
     for (int h = 0; h < 2; ++h)
         for (int k = 0; k < 4; ++k)
             for (int j = 0; j < 8; ++j)
                 sum += dot4_codes((w[8 * h + j] >> (2 * k)) & 0x03030303u, q[32 * h + 8 * k + j]);
+#endif
     return sum;
 }
 
@@ -124,6 +193,9 @@ DEVICE int block_dot_i8(const unsigned int* w, const GLOBAL int* RESTRICT q)
 DEVICE float block_dot_f32(const unsigned int* w, const GLOBAL float* RESTRICT x)
 {
     float sum = 0.0f;
+#ifdef __CUDACC__
+#pragma unroll /* else sm_80+ keeps w[] in local memory (a 64-byte stack frame) to index it */
+#endif
     for (int h = 0; h < 2; ++h)
         for (int k = 0; k < 4; ++k)
             for (int j = 0; j < 8; ++j) {
@@ -171,8 +243,17 @@ DEVICE void ternary_tile(const GLOBAL unsigned int* RESTRICT codes, const GLOBAL
     for (int b = lane; active && b < nb; b += lanes) {
         const size_t wb = (size_t)row * nb + b;
         unsigned int w[16];
+#ifdef __CUDACC__
+        const uint4* c4 = (const uint4*)(codes + wb * 16); /* 64 bytes per block: four 128-bit loads */
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint4 c = c4[i];
+            w[4 * i] = c.x; w[4 * i + 1] = c.y; w[4 * i + 2] = c.z; w[4 * i + 3] = c.w;
+        }
+#else
 #pragma unroll
         for (int i = 0; i < 16; ++i) w[i] = codes[wb * 16 + i];
+#endif
         const float ws = wscale[wb];
 #pragma unroll
         for (int t = 0; t < TILE_N; ++t) {
@@ -243,13 +324,63 @@ KERNEL quantize_i8(const GLOBAL float* RESTRICT x, GLOBAL signed char* RESTRICT 
     }
 }
 
-/* ---- dense matmul: the F16 / F32 LM head ------------------------------------------------------------ */
+/* ---- dense matmul: the F32 / F16 / BF16 LM head ------------------------------------------------------ */
+
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_BF16 2 /* the high half of a float32: decoding is a shift, exact */
+
+DEVICE float decode16(unsigned int h, int fmt)
+{
+    return fmt == FMT_F16 ? f16_to_f32(h) : AS_FLOAT(h << 16);
+}
+
+DEVICE float dense_weight(const GLOBAL unsigned short* RESTRICT w16, const GLOBAL float* RESTRICT w32, int fmt,
+                          size_t i)
+{
+    return fmt == FMT_F32 ? w32[i] : decode16(w16[i], fmt);
+}
+
+/* Elements i..i+7 of the table, as float. `vec`: cols % 8 == 0, so on CUDA they are 16-byte aligned
+ * (buffers start 256-byte aligned) and load as 128-bit words; so do the activations (load8_f32). */
+DEVICE void load8_weights(float* w, const GLOBAL unsigned short* RESTRICT w16, const GLOBAL float* RESTRICT w32,
+                          int fmt, size_t i, int vec)
+{
+#ifdef __CUDACC__
+    if (vec && fmt == FMT_F32) {
+        const float4 a = ((const float4*)(w32 + i))[0], b = ((const float4*)(w32 + i))[1];
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+        return;
+    }
+    if (vec) {
+        const uint4 u = *(const uint4*)(w16 + i);
+        w[0] = decode16(u.x & 0xffffu, fmt); w[1] = decode16(u.x >> 16, fmt);
+        w[2] = decode16(u.y & 0xffffu, fmt); w[3] = decode16(u.y >> 16, fmt);
+        w[4] = decode16(u.z & 0xffffu, fmt); w[5] = decode16(u.z >> 16, fmt);
+        w[6] = decode16(u.w & 0xffffu, fmt); w[7] = decode16(u.w >> 16, fmt);
+        return;
+    }
+#endif
+    for (int j = 0; j < 8; ++j) w[j] = dense_weight(w16, w32, fmt, i + j);
+}
+
+DEVICE void load8_f32(float* v, const GLOBAL float* RESTRICT x, int vec)
+{
+#ifdef __CUDACC__
+    if (vec) {
+        const float4 a = ((const float4*)x)[0], b = ((const float4*)x)[1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
+    }
+#endif
+    for (int j = 0; j < 8; ++j) v[j] = x[j];
+}
 
 /* Same tiling as ternary_tile. The lanes of a row take 8 consecutive elements each in turn (16 or 32
  * contiguous bytes per lane, coalesced across lanes on a GPU); the 8 products are summed as a tree,
  * an order a CPU compiler may vectorize without reassociating. A scalar tail covers cols % 8. */
 DEVICE void dense_tile(const GLOBAL unsigned short* RESTRICT w16, const GLOBAL float* RESTRICT w32,
-                       int is_f16, const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT y, int rows,
+                       int fmt, const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT y, int rows,
                        int cols, int n, int lanes, LOCAL_PTR float* red)
 {
     const int lane = TID % lanes, row = GROUP_X * (LSIZE / lanes) + TID / lanes;
@@ -258,14 +389,16 @@ DEVICE void dense_tile(const GLOBAL unsigned short* RESTRICT w16, const GLOBAL f
     float acc[TILE_N];
 #pragma unroll
     for (int t = 0; t < TILE_N; ++t) acc[t] = 0.0f;
+    const int vec = cols % 8 == 0;
     for (int c = lane; active && c < cols / 8; c += lanes) {
         const size_t we = (size_t)row * cols + 8 * c;
         float w[8];
-        for (int j = 0; j < 8; ++j) w[j] = is_f16 ? f16_to_f32(w16[we + j]) : w32[we + j];
+        load8_weights(w, w16, w32, fmt, we, vec);
 #pragma unroll
         for (int t = 0; t < TILE_N; ++t) {
             if (t < nt) {
-                const GLOBAL float* xt = x + (size_t)(tok0 + t) * cols + 8 * c;
+                float xt[8];
+                load8_f32(xt, x + (size_t)(tok0 + t) * cols + 8 * c, vec);
                 acc[t] += ((w[0] * xt[0] + w[1] * xt[1]) + (w[2] * xt[2] + w[3] * xt[3]))
                         + ((w[4] * xt[4] + w[5] * xt[5]) + (w[6] * xt[6] + w[7] * xt[7]));
             }
@@ -273,7 +406,7 @@ DEVICE void dense_tile(const GLOBAL unsigned short* RESTRICT w16, const GLOBAL f
     }
     for (int e = cols / 8 * 8 + lane; active && e < cols; e += lanes) {
         const size_t we = (size_t)row * cols + e;
-        const float w = is_f16 ? f16_to_f32(w16[we]) : w32[we];
+        const float w = dense_weight(w16, w32, fmt, we);
 #pragma unroll
         for (int t = 0; t < TILE_N; ++t)
             if (t < nt) acc[t] += w * x[(size_t)(tok0 + t) * cols + e];
@@ -285,15 +418,39 @@ KERNEL lm_head_f16(const GLOBAL unsigned short* RESTRICT w, const GLOBAL float* 
                    GLOBAL float* RESTRICT y, int rows, int cols, int n, int lanes)
 {
     LOCAL float red[MAX_WG * TILE_N];
-    dense_tile(w, 0, 1, x, y, rows, cols, n, lanes, red);
+    dense_tile(w, 0, FMT_F16, x, y, rows, cols, n, lanes, red);
+}
+
+KERNEL lm_head_bf16(const GLOBAL unsigned short* RESTRICT w, const GLOBAL float* RESTRICT x,
+                    GLOBAL float* RESTRICT y, int rows, int cols, int n, int lanes)
+{
+    LOCAL float red[MAX_WG * TILE_N];
+    dense_tile(w, 0, FMT_BF16, x, y, rows, cols, n, lanes, red);
 }
 
 KERNEL lm_head_f32(const GLOBAL float* RESTRICT w, const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT y,
                    int rows, int cols, int n, int lanes)
 {
     LOCAL float red[MAX_WG * TILE_N];
-    dense_tile(0, w, 0, x, y, rows, cols, n, lanes, red);
+    dense_tile(0, w, FMT_F32, x, y, rows, cols, n, lanes, red);
 }
+
+#ifdef __CUDACC__
+/* An uploaded table re-encoded once for the LM head (the CUDA plugin picks the format by compute
+ * capability): src in format src_fmt, dst in dst_fmt, rounding to nearest even. CUDA only, for its
+ * conversion intrinsics; the OpenCL plugin keeps tables as uploaded. */
+KERNEL convert_table(const GLOBAL unsigned short* RESTRICT src16, const GLOBAL float* RESTRICT src32, int src_fmt,
+                     GLOBAL unsigned short* RESTRICT dst16, GLOBAL float* RESTRICT dst32, int dst_fmt,
+                     unsigned long long count)
+{
+    for (size_t i = (size_t)GLOBAL_X; i < count; i += (size_t)LSIZE * gridDim.x) {
+        const float v = dense_weight(src16, src32, src_fmt, i);
+        if (dst_fmt == FMT_F32) dst32[i] = v;
+        else if (dst_fmt == FMT_F16) dst16[i] = __half_as_ushort(__float2half_rn(v));
+        else dst16[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    }
+}
+#endif
 
 /* Index of the largest value of each row (group = row), first on ties; NaN is skipped. */
 KERNEL argmax_f32(const GLOBAL float* RESTRICT x, GLOBAL int* RESTRICT out, int cols)
@@ -307,6 +464,30 @@ KERNEL argmax_f32(const GLOBAL float* RESTRICT x, GLOBAL int* RESTRICT out, int 
         const float v = xr[e];
         if (v == v && (v > bv || bi == cols)) { bv = v; bi = e; }
     }
+#ifdef __CUDACC__
+    /* Warp shuffles of (value, index) pairs; (larger value, then smaller index) is a total order here
+     * (NaN never enters), so the butterfly finds the same winner as the tree below. */
+    const unsigned int mask = LSIZE >= WARP ? 0xffffffffu : (1u << LSIZE) - 1u;
+    for (int o = min(LSIZE, WARP) / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(mask, bv, o);
+        const int oi = __shfl_xor_sync(mask, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    if (LSIZE > WARP) {
+        if (TID % WARP == 0) { rv[TID / WARP] = bv; ri[TID / WARP] = bi; }
+        BARRIER();
+        if (TID < WARP) {
+            bv = rv[TID % (LSIZE / WARP)];
+            bi = ri[TID % (LSIZE / WARP)];
+            for (int o = LSIZE / WARP / 2; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+            }
+        }
+    }
+    if (TID == 0) out[GROUP_X] = bi < cols ? bi : 0;
+#else
     rv[TID] = bv;
     ri[TID] = bi;
     BARRIER();
@@ -319,6 +500,7 @@ KERNEL argmax_f32(const GLOBAL float* RESTRICT x, GLOBAL int* RESTRICT out, int 
         BARRIER();
     }
     if (TID == 0) out[GROUP_X] = ri[0] < cols ? ri[0] : 0;
+#endif
 }
 
 /* ---- row-wise and element-wise ops ------------------------------------------------------------------ */

@@ -2,6 +2,7 @@
  * Kernels are extern "C" so the host looks them up by the same names as the OpenCL plugin. */
 
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 #define KERNEL extern "C" __global__ void
 #define DEVICE static __device__ __forceinline__

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from bitnet import hookimpl
 from bitnet.backends import PRIORITY_CUDA, Backend, Device
-from bitnet.errors import NoBackendError
 
 __version__ = "0.1.0"
+
+TILE_N = 8  # tokens per matmul thread block (the kernel source's TILE_N): weights read once per tile
+# Cap on block size: static shared arrays are sized by it at build time, and the reductions here gain
+# nothing from larger blocks. The device and each kernel may allow less.
+MAX_LOCAL = 256
+
+
+def nvcc_options(max_local: int = MAX_LOCAL) -> list[str]:
+    """What the provider passes to SourceModule (and CI's compile checks to nvcc): pycuda adds
+    `--cubin -arch sm_XX -I<pycuda include>`."""
+    return [f"-DMAX_WG={max_local}", f"-DTILE_N={TILE_N}"]
 
 
 def find_devices():
@@ -17,8 +27,10 @@ def find_devices():
 
 
 def open_device(device: Device):
-    raise NoBackendError("the CUDA kernel provider is not built yet in this version of bitnet-cuda "
-                         "(selection and device probing work; inference on CUDA does not)")
+    # pycuda (and through it libcuda) loads only when a device is opened.
+    from .provider import CudaProvider
+
+    return CudaProvider(device)
 
 
 @hookimpl
