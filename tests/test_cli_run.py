@@ -1,0 +1,99 @@
+"""`bitnet-select run` end to end: output streams, timings, and one-line errors with exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bitnet.writer import SyntheticSpec, write_model
+from conftest import cli_env, run_cli
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    return cli_env(BITNET_CACHE_DIR=str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_model(tmp_path_factory.mktemp("m") / "m.gguf", SyntheticSpec(n_ctx=64))
+
+
+def one_error_line(r: subprocess.CompletedProcess, code: int, *fragments: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stderr)
+    # The selection summary may precede the error: it is information, not part of the error.
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("requested=")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+@pytest.mark.parametrize("device", ["cpu", "opencl"])
+def test_run_on_the_default_model(env, device):
+    r = run_cli("--device", device, "run", "--prompt", "Hello", "--max-tokens", "8", env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"requested={device} " in r.stderr and f"selected={device}" in r.stderr
+    assert "prompt eval time" in r.stderr and "tokens per second" in r.stderr
+    assert r.stdout.endswith("\n")
+
+
+def test_greedy_text_is_the_same_on_cpu_and_opencl(env, model):
+    args = ("run", "--model", str(model), "--prompt", "The cat", "--max-tokens", "12")
+    cpu = run_cli("--device", "cpu", *args, env=env)
+    ocl = run_cli("--device", "opencl", *args, env=env)
+    assert cpu.returncode == ocl.returncode == 0
+    assert cpu.stdout == ocl.stdout
+
+
+def test_seeded_sampling_repeats(env, model):
+    args = ("--device", "cpu", "run", "--model", str(model), "--prompt", "a", "-n", "16", "--temperature", "1",
+            "--seed", "5")
+    assert run_cli(*args, env=env).stdout == run_cli(*args, env=env).stdout
+
+
+def test_not_a_gguf_exits_4(env, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a model" * 10)
+    one_error_line(run_cli("--device", "cpu", "run", "--model", str(bad), "--prompt", "x", env=env), 4, str(bad))
+
+
+def test_truncated_model_exits_4(env, model, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    one_error_line(run_cli("--device", "cpu", "run", "--model", str(cut), "--prompt", "x", env=env), 4)
+
+
+def test_missing_model_exits_4(env, tmp_path):
+    r = run_cli("--device", "cpu", "run", "--model", str(tmp_path / "nope.gguf"), "--prompt", "x", env=env)
+    one_error_line(r, 4, "nope.gguf")
+
+
+def test_prompt_longer_than_the_context_exits_2(env, model):
+    r = run_cli("--device", "cpu", "run", "--model", str(model), "--prompt", "word " * 200, env=env)
+    one_error_line(r, 2, "context")
+
+
+def test_invalid_utf8_prompt_exits_2(env, model):
+    r = subprocess.run([sys.executable, "-m", "bitnet", "--device", "cpu", "run", "--model", str(model),
+                        "--prompt", b"\xff\xfeabc"], capture_output=True, text=True, env=env, timeout=120)
+    one_error_line(r, 2, "UTF-8")
+
+
+def test_unknown_device_exits_3(env):
+    one_error_line(run_cli("--device", "tpu", "run", "--prompt", "x", env=env), 3, "tpu")
+
+
+def test_bad_sampling_parameters_exit_2(env):
+    one_error_line(run_cli("--device", "cpu", "run", "--prompt", "x", "--top-p", "1.5", env=env), 2, "top_p")
+    one_error_line(run_cli("--device", "cpu", "run", "--prompt", "x", "--temperature", "-1", env=env), 2)
+
+
+def test_debug_shows_the_traceback(env, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF")
+    r = run_cli("--debug", "--device", "cpu", "run", "--model", str(bad), "--prompt", "x", env=env)
+    assert r.returncode != 0 and "Traceback" in r.stderr
