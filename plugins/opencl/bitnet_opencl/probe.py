@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from bitnet.backends import Device, ProbeResult
 
 
-def _props(dev, platform) -> dict:
+def _props(dev: Any, platform: Any) -> dict[str, Any]:
     import pyopencl as cl
 
     ext = dev.extensions.split()
@@ -15,6 +16,8 @@ def _props(dev, platform) -> dict:
         "platform": platform.name.strip(), "platform_version": platform.version.strip(),
         "driver_version": dev.driver_version, "opencl_version": dev.version,
         "max_work_group_size": dev.max_work_group_size, "local_memory_bytes": dev.local_mem_size,
+        # The largest single buffer: the KV cache of a long context or a big LM head must fit in it.
+        "max_mem_alloc_bytes": dev.max_mem_alloc_size,
         "max_clock_mhz": dev.max_clock_frequency, "type": cl.device_type.to_string(dev.type),
         "integer_dot_product": "cl_khr_integer_dot_product" in ext,
         "subgroups": "cl_khr_subgroups" in ext or "cl_intel_subgroups" in ext,
@@ -27,41 +30,51 @@ def _props(dev, platform) -> dict:
 
 
 def probe() -> ProbeResult:
+    """Every device of every OpenCL platform (those BITNET_OPENCL_PLATFORM names, if set).
+
+    A missing pyopencl, a missing ICD, a platform filter that matches nothing or a driver error is an
+    unavailable result with that reason, never an exception.
+    """
     try:
         import pyopencl as cl
     except Exception as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "pyopencl":
+            return ProbeResult.unavailable("pyopencl is not installed (pip install pyopencl; "
+                                           "`pyopencl[pocl]` adds a CPU OpenCL device)")
         return ProbeResult.unavailable(f"pyopencl is not importable ({type(exc).__name__}: {exc})")
     try:
-        platforms = cl.get_platforms()
+        platforms = list(enumerate(cl.get_platforms()))
     except Exception as exc:
         return ProbeResult.unavailable(
             f"no OpenCL platform: {exc} (no ICD installed? `pip install pocl-binary-distribution` gives a CPU one)")
-    wanted = os.environ.get("BITNET_OPENCL_PLATFORM", "").strip().lower()
+    wanted = os.environ.get("BITNET_OPENCL_PLATFORM", "").strip()
     if wanted:
-        names = [p.name.strip() for p in platforms]
-        platforms = [p for p in platforms if wanted in p.name.lower()]
+        names = [p.name.strip() for _, p in platforms]
+        platforms = [(i, p) for i, p in platforms if wanted.lower() in p.name.lower()]
         if not platforms:
             return ProbeResult.unavailable(
                 f"BITNET_OPENCL_PLATFORM={wanted!r} matches no platform (platforms: {', '.join(names) or 'none'})")
     devices: list[Device] = []
     errors: list[str] = []
-    for p_index, platform in enumerate(cl.get_platforms()):
-        if platform not in platforms:
-            continue
+    for p_index, platform in platforms:
         try:
             found = platform.get_devices()
         except Exception as exc:
             errors.append(f"{platform.name.strip()}: {exc}")
             continue
         for d_index, dev in enumerate(found):
-            ext = dev.extensions.split()
-            is_gpu = bool(dev.type & cl.device_type.GPU)
-            props = _props(dev, platform) | {"platform_index": p_index, "device_index": d_index}
-            devices.append(Device(
-                "opencl", len(devices), dev.name.strip(), vendor=dev.vendor.strip(),
-                memory_bytes=dev.global_mem_size, compute_units=dev.max_compute_units,
-                fp16="cl_khr_fp16" in ext, bf16=None, properties=props, kind="gpu" if is_gpu else "cpu"))
+            try:  # one misbehaving driver must not hide the devices of the others
+                ext = dev.extensions.split()
+                props = _props(dev, platform) | {"platform_index": p_index, "device_index": d_index}
+                devices.append(Device(
+                    "opencl", len(devices), dev.name.strip(), vendor=dev.vendor.strip(),
+                    memory_bytes=dev.global_mem_size, compute_units=dev.max_compute_units,
+                    fp16="cl_khr_fp16" in ext, bf16=None, properties=props,
+                    kind="gpu" if dev.type & cl.device_type.GPU else "cpu"))
+            except Exception as exc:
+                errors.append(f"{platform.name.strip()} device {d_index}: {exc}")
     if not devices:
-        detail = f" ({'; '.join(errors)})" if errors else ""
-        return ProbeResult.unavailable("the OpenCL platforms have no device" + detail)
+        searched = ", ".join(p.name.strip() for _, p in platforms)
+        return ProbeResult.unavailable(f"no OpenCL device on platform(s) {searched}"
+                                       + "".join(f"; {e}" for e in errors))
     return ProbeResult(tuple(devices))

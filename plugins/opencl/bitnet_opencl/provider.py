@@ -9,8 +9,11 @@ read waits for exactly the work queued before it. Only to_host and argmax read.
 from __future__ import annotations
 
 import math
+import os
+import time
 import weakref
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,13 +45,44 @@ def open_cl_device(platform_index: int, device_index: int) -> tuple[cl.Context, 
     return cl.Context([dev]), dev
 
 
+def driver_caches_builds(dev: cl.Device) -> bool:
+    """Whether the driver keeps its own on-disk cache of source builds (PoCL, NVIDIA), in which case
+    PyOpenCL skips its binary cache and builds from source, and the driver answers from its cache."""
+    from pyopencl.characterize import has_src_build_cache
+
+    return bool(has_src_build_cache(dev))
+
+
+def program_cache_dir(dev: cl.Device) -> Path | None:
+    """Where the compiled program of `dev` is cached on disk, or None where only the driver knows.
+
+    PoCL: its kernel cache (POCL_CACHE_DIR, else $XDG_CACHE_HOME/pocl/kcache, else
+    ~/.cache/pocl/kcache), which also holds the per-kernel code PoCL generates at the first launch
+    of each work-group size, the larger part of a cold start. Drivers without their own cache:
+    PyOpenCL's binary cache, kept under bitnet's cache directory (BITNET_CACHE_DIR).
+    """
+    if dev.platform.name.strip() == "Portable Computing Language":
+        if os.environ.get("POCL_CACHE_DIR"):
+            return Path(os.environ["POCL_CACHE_DIR"])
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = Path(xdg) if xdg and Path(xdg).is_dir() else Path.home() / ".cache"
+        return base / "pocl" / "kcache"
+    if driver_caches_builds(dev):
+        return None
+    from bitnet.default_model import cache_dir
+
+    return cache_dir() / "opencl-programs"
+
+
 def build_program(ctx: cl.Context, dev: cl.Device, source: str, max_local: int) -> cl.Program:
-    """Build once per context; PyOpenCL caches the binary on disk. A failure carries the build log."""
+    """Build once per context, from the on-disk cache when an earlier process built the same source for
+    the same device (program_cache_dir). A failure carries the build log."""
     options = [f"-DMAX_WG={max_local}", f"-DTILE_N={TILE_N}", "-cl-std=CL1.2"]
     if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
         options.append("-cl-fp32-correctly-rounded-divide-sqrt")  # 127/max must round as NumPy's does
+    cache = None if driver_caches_builds(dev) else program_cache_dir(dev)
     try:
-        return cl.Program(ctx, source).build(options=options)
+        return cl.Program(ctx, source).build(options=options, cache_dir=str(cache) if cache else None)
     except cl.Error as exc:  # PyOpenCL puts the device's build log in the message
         raise NoBackendError(f"OpenCL kernel build failed on {dev.name.strip()}:\n{exc}") from exc
 
@@ -63,15 +97,44 @@ class PoolStats:
     cache_hits: int = 0  # requests served from the cache
 
 
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+# Driver codes that mean "no memory for this buffer" (some drivers allocate at first use, so the
+# enqueue that first touches a buffer can report them too).
+_OUT_OF_MEMORY = {cl.status_code.MEM_OBJECT_ALLOCATION_FAILURE, cl.status_code.OUT_OF_RESOURCES,
+                  cl.status_code.OUT_OF_HOST_MEMORY, cl.status_code.INVALID_BUFFER_SIZE}
+
+
+def _is_out_of_memory(exc: cl.Error) -> bool:
+    return isinstance(exc, cl.MemoryError) or getattr(exc, "code", None) in _OUT_OF_MEMORY
+
+
 class BufferPool:
-    """Device buffers cached by exact size: a transformer asks for the same few sizes every token."""
+    """Device buffers cached by exact size: a transformer asks for the same few sizes every token.
+
+    Only activations are cached for reuse; a resident buffer (weights, tables, caches) given back goes
+    straight back to the driver. Requests beyond the device's limits fail with NoBackendError naming
+    the sizes, before the driver is asked: `max_alloc` bytes per buffer, `capacity` bytes in all.
+    """
 
     def __init__(self, ctx: cl.Context) -> None:
         self.ctx = ctx
+        dev = ctx.devices[0]
+        self.device_name = dev.name.strip()
+        self.max_alloc, self.capacity = int(dev.max_mem_alloc_size), int(dev.global_mem_size)
         self.stats = PoolStats()
         self._free: dict[int, list[cl.Buffer]] = {}
         self._live: dict[int, tuple[cl.Buffer, str, bool]] = {}  # id -> (buffer, tag, resident)
         self._leaked: list[str] = []
+
+    def out_of_memory(self, nbytes: int, tag: str, why: str) -> NoBackendError:
+        return NoBackendError(f"OpenCL device {self.device_name} is out of memory: {tag} needs {_size(nbytes)}; "
+                              f"{why} ({_size(self.stats.current)} held by this model)")
 
     def alloc(self, nbytes: int, tag: str, resident: bool = False) -> cl.Buffer:
         nbytes = max(int(nbytes), 4)  # OpenCL has no empty buffers
@@ -80,7 +143,7 @@ class BufferPool:
             buf = cached.pop()
             self.stats.cache_hits += 1
         else:
-            buf = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, nbytes)
+            buf = self._allocate(nbytes, tag)
             self.stats.allocations += 1
             self.stats.current += nbytes
             self.stats.peak = max(self.stats.peak, self.stats.current)
@@ -88,11 +151,35 @@ class BufferPool:
         self._live[id(buf)] = (buf, tag, resident)
         return buf
 
+    def _allocate(self, nbytes: int, tag: str) -> cl.Buffer:
+        if nbytes > self.max_alloc:
+            raise self.out_of_memory(nbytes, tag, f"the device allows at most {_size(self.max_alloc)} "
+                                                  "in one buffer (CL_DEVICE_MAX_MEM_ALLOC_SIZE)")
+        if self.stats.current + nbytes > self.capacity:
+            self.trim()  # cached activations are the first to go
+        if self.stats.current + nbytes > self.capacity:
+            raise self.out_of_memory(nbytes, tag, f"the device has {_size(self.capacity)} of global memory")
+        for retry in (False, True):
+            try:
+                return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, nbytes)
+            except cl.Error as exc:
+                if not _is_out_of_memory(exc):
+                    raise
+                if retry or not self._free:
+                    raise self.out_of_memory(nbytes, tag, f"the driver refused ({exc})") from exc
+            self.trim()  # other processes hold the rest: once more without our cached activations
+        raise AssertionError("unreachable")
+
     def free(self, buf: cl.Buffer) -> None:
-        if self._live.pop(id(buf), None) is None:
+        entry = self._live.pop(id(buf), None)
+        if entry is None:
             return  # close() released it already
         self.stats.in_use -= buf.size
-        self._free.setdefault(buf.size, []).append(buf)
+        if entry[2]:  # resident: a one-off size nobody asks for again
+            self.stats.current -= buf.size
+            buf.release()
+        else:
+            self._free.setdefault(buf.size, []).append(buf)
 
     def trim(self) -> None:
         """Give every cached buffer back to the driver."""
@@ -126,7 +213,11 @@ class Tensor:
                  resident: bool = False) -> None:
         self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
         self.buf = pool.alloc(math.prod(self.shape) * self.dtype.itemsize, tag, resident)
-        weakref.finalize(self, pool.free, self.buf)
+        self._free = weakref.finalize(self, pool.free, self.buf)
+
+    def release(self) -> None:
+        """Give the buffer back now rather than when the handle is dropped (once; later calls do nothing)."""
+        self._free()
 
 
 @dataclass(frozen=True)
@@ -175,7 +266,11 @@ class OpenCLProvider(KernelProvider):
         self.queue = cl.CommandQueue(self.ctx)  # in order
         self.pool = BufferPool(self.ctx)
         max_local = _pow2_floor(min(MAX_LOCAL, self.cl_device.max_work_group_size))
+        t0 = time.perf_counter()
         program = build_program(self.ctx, self.cl_device, source or kernels_src.source("opencl"), max_local)
+        # A cold build takes seconds on some drivers; from the on-disk cache, milliseconds.
+        self.build_ms = (time.perf_counter() - t0) * 1e3
+        self.program_cache = program_cache_dir(self.cl_device)
         self.kernels = {k.function_name: k for k in program.all_kernels()}
         self.local = {name: self._local_size(k, max_local) for name, k in self.kernels.items()}
         # The SIMD width (warp) each kernel prefers: lanes that share a row come in multiples of it.
@@ -196,8 +291,18 @@ class OpenCLProvider(KernelProvider):
         cl_args = [a.buf if isinstance(a, Tensor) else np.int32(a) if isinstance(a, int)
                    else np.float32(a) if isinstance(a, float) else a for a in args]
         gsize = (groups[0] * local, *groups[1:])
-        self.kernels[name](self.queue, gsize, (local,) + (1,) * (len(groups) - 1), *cl_args)
+        try:
+            self.kernels[name](self.queue, gsize, (local,) + (1,) * (len(groups) - 1), *cl_args)
+        except cl.Error as exc:
+            raise self._enqueue_error(exc, f"kernel {name}") from exc
         self.record(name)
+
+    def _enqueue_error(self, exc: cl.Error, what: str) -> Exception:
+        """Drivers that allocate at first use report a full device here, not at allocation."""
+        if _is_out_of_memory(exc):
+            return NoBackendError(f"OpenCL device {self.pool.device_name} ran out of memory running {what}: {exc} "
+                                  f"({_size(self.pool.stats.current)} held by this model)")
+        return exc
 
     def _new(self, shape: tuple[int, ...], dtype: Any = np.float32, tag: str = "activation") -> Tensor:
         return Tensor(self.pool, shape, dtype, tag)
@@ -207,8 +312,27 @@ class OpenCLProvider(KernelProvider):
         # alive and is dropped at the next read, which proves the copy done.
         done = cl.command_execution_status.COMPLETE
         self._writes = [e for e in self._writes if e.command_execution_status != done]
-        self._writes.append(cl.enqueue_copy(self.queue, t.buf, np.ascontiguousarray(host), is_blocking=False))
+        try:
+            self._writes.append(cl.enqueue_copy(self.queue, t.buf, np.ascontiguousarray(host), is_blocking=False))
+        except cl.Error as exc:
+            raise self._enqueue_error(exc, "a copy to the device") from exc
         return t
+
+    def _resident(self, *parts: tuple[tuple[int, ...], Any, str, np.ndarray | None]) -> list[Tensor]:
+        """Resident tensors (shape, dtype, tag, host data or None), all or none: when one cannot be
+        allocated or written, those made before it are released, so a failed load leaves the pool as it
+        found it."""
+        made: list[Tensor] = []
+        try:
+            for shape, dtype, tag, host in parts:
+                made.append(Tensor(self.pool, shape, dtype, tag, resident=True))
+                if host is not None:
+                    self._write(made[-1], host)
+        except BaseException:
+            for t in made:  # a copy still queued keeps its buffer alive in the driver until it is done
+                t.release()
+            raise
+        return made
 
     def _read(self, t: Tensor, dtype: Any) -> np.ndarray:
         out = np.empty(t.shape, dtype)
@@ -226,23 +350,24 @@ class OpenCLProvider(KernelProvider):
 
     # -- memory ---------------------------------------------------------------------------------------
     def upload_ternary(self, w: TernaryMatrix) -> TernaryWeight:
-        codes = Tensor(self.pool, (w.rows, w.cols // 16), np.uint32, "ternary codes", resident=True)
-        scales = Tensor(self.pool, w.scales.shape, np.float32, "ternary scales", resident=True)
-        self._write(codes, np.ascontiguousarray(w.codes).view(np.uint32))
-        self._write(scales, w.scales.astype(np.float32, copy=False))
+        name = f"{w.rows}x{w.cols}"
+        codes, scales = self._resident(
+            ((w.rows, w.cols // 16), np.uint32, f"ternary codes {name}", np.ascontiguousarray(w.codes).view(np.uint32)),
+            (w.scales.shape, np.float32, f"ternary scales {name}", w.scales.astype(np.float32, copy=False)))
         return TernaryWeight(codes, scales, w.rows, w.cols)
 
     def upload_float(self, a: np.ndarray) -> Tensor:
         a = np.asarray(a)
         dtype = np.float16 if a.dtype == np.float16 else np.float32  # F16 tables stay F16 on the device
-        return self._write(Tensor(self.pool, a.shape, dtype, f"float {a.shape}", resident=True),
-                           a.astype(dtype, copy=False))
+        (t,) = self._resident((a.shape, dtype, f"float {a.shape}", a.astype(dtype, copy=False)))
+        return t
 
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int) -> KVCache:
         shape = (n_layers, n_kv_heads, n_ctx, head_dim)
-        return KVCache(Tensor(self.pool, shape, np.float32, "kv cache K", resident=True),
-                       Tensor(self.pool, shape, np.float32, "kv cache V", resident=True),
-                       n_kv_heads, n_ctx, head_dim, [0] * n_layers)
+        what = f"of {n_ctx} positions"
+        k, v = self._resident((shape, np.float32, f"KV cache K {what}", None),
+                              (shape, np.float32, f"KV cache V {what}", None))
+        return KVCache(k, v, n_kv_heads, n_ctx, head_dim, [0] * n_layers)
 
     def to_host(self, x: Tensor) -> np.ndarray:
         return self._read(x, x.dtype).astype(np.float32, copy=False)
@@ -301,10 +426,9 @@ class OpenCLProvider(KernelProvider):
             cap = max(256, 1 << (n_pos - 1).bit_length())
             freqs = float(theta) ** (-np.arange(head_dim // 2, dtype=np.float64) * 2.0 / head_dim)
             angles = np.arange(cap, dtype=np.float64)[:, None] * freqs[None, :]
-            cos = Tensor(self.pool, angles.shape, np.float32, "rope cos", resident=True)
-            sin = Tensor(self.pool, angles.shape, np.float32, "rope sin", resident=True)
-            self._rope[key] = (self._write(cos, np.cos(angles).astype(np.float32)),
-                               self._write(sin, np.sin(angles).astype(np.float32)))
+            cos, sin = self._resident((angles.shape, np.float32, "rope cos", np.cos(angles).astype(np.float32)),
+                                      (angles.shape, np.float32, "rope sin", np.sin(angles).astype(np.float32)))
+            self._rope[key] = (cos, sin)
         return self._rope[key]
 
     def rope(self, x: Tensor, n_heads: int, head_dim: int, pos0: int, theta: float) -> Tensor:

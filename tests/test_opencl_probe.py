@@ -1,0 +1,189 @@
+"""The OpenCL probe through the real CLI: what `devices` shows, and every way OpenCL can be unavailable.
+
+Each situation is arranged with the real mechanism wherever one exists, in a fresh process:
+- no platform: the ICD loader finds no ICD. The pyopencl wheel's loader (isuruf's ocl-icd) reads
+  OCL_ICD_VENDORS *and* always `$PYOPENCL_HOME/.libs`, where the wheel's PoCL sits, and pyopencl
+  sets PYOPENCL_HOME on import, so no environment variable alone can hide it. A `sitecustomize` on
+  PYTHONPATH points PYOPENCL_HOME at an empty directory after that import and before the first
+  OpenCL call (the loader reads it then); the real loader then fails with PLATFORM_NOT_FOUND_KHR.
+- no device: PoCL's own POCL_DEVICES=none (a platform with zero devices); POCL_DEVICES="pthread basic"
+  gives two devices, so a device index is tested against a real multi-device platform.
+- a kernel build failure: PyOpenCL's own PYOPENCL_BUILD_OPTIONS, appended to our build options, breaks
+  the build exactly as a driver rejecting our source would; the device's build log reaches the user.
+- pyopencl not importable: a fake `pyopencl` package first on PYTHONPATH (pyopencl is installed here).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from bitnet.writer import SyntheticSpec, write_model
+from conftest import cli_env, run_cli
+
+cl = pytest.importorskip("pyopencl")
+
+
+def _has_device() -> bool:
+    try:
+        return any(p.get_devices() for p in cl.get_platforms())
+    except cl.Error:
+        return False
+
+
+pytestmark = [pytest.mark.opencl, pytest.mark.skipif(not _has_device(), reason="no OpenCL device to probe")]
+
+POCL = "Portable Computing Language"
+SITECUSTOMIZE = """\
+import os
+import pyopencl  # sets PYOPENCL_HOME to its own directory, whose .libs holds the wheel's PoCL ICD
+os.environ["PYOPENCL_HOME"] = {empty!r}
+"""
+
+
+def summary(stdout: str) -> dict[str, str]:
+    m = re.fullmatch(r"requested=(\S+) detected=\[(\S*)\] selected=(\S+)", stdout.strip())
+    assert m, stdout
+    return {"requested": m[1], "detected": m[2], "selected": m[3]}
+
+
+def opencl_entries(env: dict[str, str]) -> list[dict]:
+    r = run_cli("devices", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    return [e for e in json.loads(r.stdout) if e["backend"] == "opencl"]
+
+
+def unavailable(env: dict[str, str], reason: str) -> None:
+    """`--device opencl` exits 3 with `reason` on one line; auto goes elsewhere; devices says why."""
+    r = run_cli("--device", "opencl", env=env)
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert summary(r.stdout)["selected"] == "none"
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert reason in r.stderr, r.stderr
+    auto = run_cli(env=env)
+    assert auto.returncode == 0 and "opencl" not in summary(auto.stdout)["detected"].split(",")
+    (entry,) = opencl_entries(env)
+    assert entry["available"] is False and reason in entry["reason"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("m") / "m.gguf", SyntheticSpec(n_ctx=64))
+
+
+# -- what is found -------------------------------------------------------------------------------------
+def test_devices_json_shows_the_device_and_its_properties():
+    """Every property the probe reports is the driver's own answer, checked against pyopencl here."""
+    (entry,) = opencl_entries(cli_env())
+    assert entry["available"] is True and entry["priority"] == 50 and "ocl" in entry["aliases"]
+    d, props = entry["device"], entry["device"]["properties"]
+    platform = cl.get_platforms()[props["platform_index"]]
+    dev = platform.get_devices()[props["device_index"]]
+    assert (d["name"], d["vendor"], d["memory_bytes"], d["compute_units"]) == \
+        (dev.name.strip(), dev.vendor.strip(), dev.global_mem_size, dev.max_compute_units)
+    assert d["compute_units"] >= 1 and d["memory_bytes"] > 0
+    assert d["fp16"] is ("cl_khr_fp16" in dev.extensions.split())
+    assert props["integer_dot_product"] is ("cl_khr_integer_dot_product" in dev.extensions.split())
+    assert props["opencl_version"] == dev.version and props["opencl_version"].startswith("OpenCL ")
+    assert props["driver_version"] == dev.driver_version and props["platform"] == platform.name.strip()
+    assert props["max_work_group_size"] == dev.max_work_group_size >= 1
+    assert props["local_memory_bytes"] == dev.local_mem_size > 0
+    assert 0 < props["max_mem_alloc_bytes"] == dev.max_mem_alloc_size <= d["memory_bytes"]
+    expected_kind = "gpu" if dev.type & cl.device_type.GPU else "cpu"
+    assert d["kind"] == expected_kind and d["fake"] is False
+    table = run_cli("devices", env=cli_env())
+    (line,) = [ln for ln in table.stdout.splitlines() if ln.startswith("opencl ")]
+    assert d["name"] in line and line.rstrip().endswith("available")
+
+
+def test_platform_filter_is_a_case_insensitive_substring():
+    """The positive control of the filter test below: a part of the real name, any case, selects it."""
+    r = run_cli("--device", "opencl", env=cli_env(BITNET_OPENCL_PLATFORM=POCL.split()[0].upper()))
+    assert r.returncode == 0 and summary(r.stdout)["selected"] == "opencl", r.stderr
+
+
+def test_two_devices_each_run_and_index_past_them_names_the_count(model):
+    env = cli_env(POCL_DEVICES="pthread basic")
+    assert [e["index"] for e in opencl_entries(env)] == [0, 1]
+    args = ("run", "--model", str(model), "--prompt", "The cat", "--max-tokens", "6")
+    outs = []
+    for index in (0, 1):
+        r = run_cli("--device", f"opencl:{index}", *args, env=env)
+        assert r.returncode == 0 and f"requested=opencl:{index} " in r.stderr, r.stderr
+        outs.append(r.stdout)
+    assert outs[0] == outs[1] == run_cli("--device", "cpu", *args, env=env).stdout
+    r = run_cli("--device", "opencl:2", env=env)
+    assert r.returncode == 3 and "has 2 device(s)" in r.stderr, r.stderr
+
+
+# -- unavailable -----------------------------------------------------------------------------------------
+def test_no_platform(tmp_path):
+    empty = tmp_path / "no-icd"
+    empty.mkdir()
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(SITECUSTOMIZE.format(empty=str(empty)))
+    env = cli_env(PYTHONPATH=str(shim), OCL_ICD_VENDORS=str(empty))
+    unavailable(env, "no OpenCL platform: clGetPlatformIDs failed: PLATFORM_NOT_FOUND_KHR")
+
+
+def test_no_device_on_the_platform():
+    unavailable(cli_env(POCL_DEVICES="none"), f"no OpenCL device on platform(s) {POCL}")
+
+
+def test_platform_filter_matching_nothing_names_the_platforms():
+    unavailable(cli_env(BITNET_OPENCL_PLATFORM="Intel(R) OpenCL Graphics"),
+                f"BITNET_OPENCL_PLATFORM='Intel(R) OpenCL Graphics' matches no platform (platforms: {POCL})")
+
+
+@pytest.mark.parametrize("fake, reason", [
+    ('raise ModuleNotFoundError("No module named \'pyopencl\'", name="pyopencl")\n',
+     "pyopencl is not installed (pip install pyopencl"),
+    ('raise ImportError("libOpenCL.so.1: cannot open shared object file: No such file or directory")\n',
+     "pyopencl is not importable (ImportError: libOpenCL.so.1: cannot open shared object file"),
+])
+def test_pyopencl_not_importable(tmp_path, fake, reason):
+    pkg = tmp_path / "pyopencl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(fake)
+    unavailable(cli_env(PYTHONPATH=str(tmp_path)), reason)
+
+
+def test_device_index_out_of_range_exits_3():
+    r = run_cli("--device", "opencl:5", env=cli_env())
+    assert r.returncode == 3, r.stderr
+    s = summary(r.stdout)
+    assert s["selected"] == "none" and "opencl" in s["detected"].split(",")  # found, but not that index
+    assert "opencl:5: opencl has 1 device(s), index 0..0" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_kernel_build_failure_shows_the_build_log(model, tmp_path):
+    """A driver that rejects the kernel source: exit 3, the device's build log with file:line of the
+    portable source (the #line marks), and our build options; no traceback."""
+    env = cli_env(PYOPENCL_BUILD_OPTIONS="-DTILE_N=(", XDG_CACHE_HOME=str(tmp_path),
+                  BITNET_CACHE_DIR=str(tmp_path / "bitnet"))
+    r = run_cli("--device", "opencl", "run", "--model", str(model), "--prompt", "x", env=env)
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert "error: OpenCL kernel build failed on " in r.stderr
+    assert re.search(r"bitnet_kernels\.c:\d+:\d+: .*expected expression", r.stderr), r.stderr
+    assert "-DTILE_N=8" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_probe_survives_a_driver_error_listing_devices(tmp_path):
+    """A driver that fails clGetDeviceIDs (no real one does on demand): the reason names the platform."""
+    pkg = tmp_path / "pyopencl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "class Error(Exception):\n    pass\n\n"
+        "class Platform:\n    name = 'Broken Vendor CL'\n\n"
+        "    def get_devices(self):\n"
+        "        raise Error('clGetDeviceIDs failed: OUT_OF_HOST_MEMORY')\n\n"
+        "def get_platforms():\n    return [Platform()]\n")
+    unavailable(cli_env(PYTHONPATH=str(tmp_path)),
+                "no OpenCL device on platform(s) Broken Vendor CL; Broken Vendor CL: clGetDeviceIDs failed: "
+                "OUT_OF_HOST_MEMORY")
