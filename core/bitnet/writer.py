@@ -9,6 +9,7 @@ holds more than one tensor in memory.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import zlib
@@ -75,6 +76,9 @@ def _check(spec: SyntheticSpec) -> None:
         raise ValueError("float_master weights have no separate scale: do not combine with scales")
     if spec.dim % spec.n_heads or spec.n_heads % spec.n_kv_heads:
         raise ValueError("n_heads must divide dim and n_kv_heads must divide n_heads")
+    if spec.dim % 256 or spec.ffn_dim % 256:
+        # Every ternary format packs rows in 256-value blocks (I2_S in 128, loaded as 256).
+        raise ValueError(f"dim ({spec.dim}) and ffn_dim ({spec.ffn_dim}) must be multiples of 256")
 
 
 def _plan(spec: SyntheticSpec) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -281,8 +285,10 @@ def write_model(path: str | Path, spec: SyntheticSpec) -> Path:
     """Write the synthetic model described by spec to path (GGUF v3, little-endian)."""
     _check(spec)
     path = Path(path)
+    # Written beside the target and renamed at the end: a failure never leaves a partial model.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     arch = spec.arch
-    w = _StreamingWriter(path, arch)
+    w = _StreamingWriter(tmp, arch)
     w.add_name("bitnet-synthetic")
     for key, value in {
         "block_count": spec.n_layers, "context_length": spec.n_ctx, "embedding_length": spec.dim,
@@ -304,7 +310,7 @@ def write_model(path: str | Path, spec: SyntheticSpec) -> Path:
         ggml_type, nbytes = _tensor_bytes(spec, kind, shape)
         w.add_raw_tensor_info(name, shape, ggml_type, nbytes)
     try:
-        w.write_header_to_file(path)
+        w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for name, kind, shape in plan:
@@ -318,8 +324,11 @@ def write_model(path: str | Path, spec: SyntheticSpec) -> Path:
                 w.write_tensor_pieces(iter([np.array([s], dtype=np.float32)]))
             else:
                 w.write_tensor_pieces(iter([_encode_projection(spec, name, shape)]))
+        w.close()
+        os.replace(tmp, path)
     finally:
         w.close()
+        tmp.unlink(missing_ok=True)
     return path
 
 
