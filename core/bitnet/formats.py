@@ -24,6 +24,8 @@ I2S_BLOCK = 128  # values per I2_S block (32 bytes)
 
 # Bounds the temporaries of TQ1_0's chunked decoding (values per chunk).
 _CHUNK_VALUES = 1 << 22
+# Bytes of codes converted and checked at a time: the temporaries stay in L2.
+_CHUNK_BYTES = 256 << 10
 
 
 def i2s_nbytes(n: int) -> int:
@@ -70,11 +72,16 @@ def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
     nb = cols // BLOCK
     _check_shape("TQ2_0", raw, rows, cols, rows * nb * TQ2_0_BLOCK_BYTES)
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, TQ2_0_BLOCK_BYTES)
-    codes = np.ascontiguousarray(blocks[:, :, :64]).reshape(rows, cols // 4)
     scales = np.ascontiguousarray(blocks[:, :, 64:]).view(np.float16).reshape(rows, nb).astype(np.float32)
     _check_scales("TQ2_0", scales)
-    if _has_code3(codes):
-        raise ModelError("TQ2_0 tensor holds the invalid code 0b11")
+    codes = np.empty((rows, cols // 4), dtype=np.uint8)
+    # A cache-sized chunk at a time: the code check then reads the copy from cache, not memory.
+    step = max(1, _CHUNK_BYTES // (cols // 4))
+    for r in range(0, rows, step):
+        chunk = codes[r:r + step]
+        chunk.reshape(-1, nb, 64)[...] = blocks[r:r + step, :, :64]
+        if _has_code3(chunk):
+            raise ModelError("TQ2_0 tensor holds the invalid code 0b11")
     return TernaryMatrix(codes, scales)
 
 
@@ -107,10 +114,15 @@ def i2s_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
     if not np.isfinite(scale):
         raise ModelError("I2_S tensor has a NaN or infinite scale")
     packed = flat[:n // 4]
-    if _has_code3(packed):
-        raise ModelError("I2_S tensor holds the invalid code 0b11")
-    codes = _reverse_fields(packed).reshape(rows, cols // 4)
-    return TernaryMatrix(codes, np.full((rows, cols // BLOCK), scale, dtype=np.float32))
+    codes = np.empty(n // 4, dtype=np.uint8)
+    step = _CHUNK_BYTES  # a multiple of 8 bytes, as _reverse_fields needs (n // 4 is a multiple of 64)
+    for lo in range(0, n // 4, step):
+        chunk = packed[lo:lo + step]
+        if _has_code3(chunk):
+            raise ModelError("I2_S tensor holds the invalid code 0b11")
+        codes[lo:lo + step] = _reverse_fields(chunk)
+    scales = np.full((rows, cols // BLOCK), scale, dtype=np.float32)
+    return TernaryMatrix(codes.reshape(rows, cols // 4), scales)
 
 
 def bf16_to_float32(a: np.ndarray) -> np.ndarray:

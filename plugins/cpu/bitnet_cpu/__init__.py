@@ -48,4 +48,4 @@ def open_device(device: Device):
 @hookimpl
 def bitnet_backends() -> list[Backend]:
     return [Backend("cpu", "cpu", PRIORITY_CPU, probe, open_device, aliases=("host", "numpy"),
-                    description="NumPy on the host CPU")]
+                    description="numba SIMD kernels on the host CPU")]

@@ -1,28 +1,30 @@
-"""The CPU kernel provider: the reference operations, with the hot paths done faster in NumPy.
+"""The CPU kernel provider: numba kernels on the packed weights, NumPy for the rest.
 
-Ternary weights stay packed (2 bits each). BitLinear unpacks a chunk of rows at a time
-through a 256-entry table into float32 and multiplies with BLAS; integer sums of int8
-activations times ternary values are exact in float32 (each is below 2**24), so the result
-equals the reference's integer arithmetic. Each kernel is one method, so a compiled
-(numba) version can replace one method at a time.
+Ternary weights stay packed (2 bits each, the canonical layout is also the kernel's layout).
+BitLinear quantizes activations to int8 and runs the SIMD integer kernels of
+`ternary_kernels`; the F16 LM head and RMSNorm run in `float_kernels`. Unquantized ("none")
+BitLinear keeps the NumPy path: it unpacks a chunk of rows at a time through a 256-entry
+table into float32 and multiplies with BLAS. numba is imported when a provider is opened,
+never by `import bitnet_cpu`, and compiles each kernel on first use into its disk cache.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import numba
 import numpy as np
 
-from bitnet.reference import (
-    ReferenceProvider,
-    causal_mask,
-    check_act_quant,
-    quantize_q8k,
-    quantize_rows,
-    store_kv,
-)
+from bitnet.errors import UsageError
+from bitnet.kernels import ACTIVATIONS
+from bitnet.reference import ReferenceProvider, check_act_quant, store_kv
 from bitnet.ternary import BLOCK, TernaryMatrix
+
+from . import float_kernels as fk
+from . import ternary_kernels as tk
+from . import threads
 
 # Byte -> its four 2-bit codes (low bits first) decoded to -1/0/+1. Each entry's four float32
 # are viewed as one complex128, so unpacking is a 1-D np.take (several times faster than
@@ -32,7 +34,8 @@ _LUT16 = _LUT.view(np.complex128).reshape(256)
 
 # Rows unpacked per chunk: about an L2 cache of float32 (measured best of 128 KB..4 MB at n = 1 and 128).
 _CHUNK_BYTES = 512 << 10
-_LM_HEAD_ROWS = 4096
+# LM-head rows per parallel task: 2.5 MB of F16 at dim 2560, many tasks for few threads.
+_LM_HEAD_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,36 @@ def permute_cols(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(n, cols // 128, 4, 32).transpose(0, 1, 3, 2)).reshape(n, cols)
 
 
+def _bounded_openmp_spinning() -> None:
+    """Let numba's OpenMP workers spin ~0.5 ms between parallel regions, then sleep (unless the user chose).
+
+    A decode step runs ~240 short parallel regions, a few tens of microseconds apart. Sleeping
+    at once (OMP_WAIT_POLICY=passive) pays a wake-up per region: 2-thread decode lost 12 % on a
+    quiet machine. libgomp's default (spinning ~15 ms) stalls every region on a descheduled
+    spinner when the machine is shared: 0.5-1.6 tokens/s under a load of 7 on 2 cores, where
+    2000-20000 spins gave 0.9-2.2 and passive 2.7-3.1. 10000 spins cover the gaps inside a step
+    and give the cores back soon after. libgomp reads this when numba first starts its threads.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = "10000"
+
+
+_bounded_openmp_spinning()
+
+
 class CpuProvider(ReferenceProvider):
     prefix = "cpu"
 
-    def __init__(self, device: Any = None, backend: str = "cpu") -> None:
+    def __init__(self, device: Any = None, backend: str = "cpu", n_threads: int | None = None) -> None:
         super().__init__(device, backend)
+        # numba cannot start more threads than it was configured with at import (NUMBA_NUM_THREADS).
+        self.n_threads = max(1, min(n_threads or threads(), numba.config.NUMBA_NUM_THREADS))
+        self._use_threads()
+
+    def _use_threads(self) -> None:
+        """numba's thread count is per calling thread: set ours in whichever thread runs a kernel."""
+        if numba.get_num_threads() != self.n_threads:
+            numba.set_num_threads(self.n_threads)
 
     def upload_ternary(self, w: TernaryMatrix) -> Any:
         return PackedTernary(np.ascontiguousarray(w.codes), np.ascontiguousarray(w.scales, dtype=np.float32),
@@ -80,18 +108,26 @@ class CpuProvider(ReferenceProvider):
 
     def bitlinear(self, x: Any, w: Any, act_quant: str) -> Any:
         check_act_quant(act_quant)
+        if act_quant == "none":
+            return self._bitlinear_float(x, w)
+        self._use_threads()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if act_quant == "block256":
+            self.record("cpu.bitlinear_blockscale_block256")
+            return tk.bitlinear_block256(x, w.codes, w.scales)
+        if w.row_scales is not None:
+            self.record("cpu.bitlinear_rowscale_row")
+            return tk.bitlinear_row_rowscale(x, w.codes, w.row_scales)
+        self.record("cpu.bitlinear_blockscale_row")
+        return tk.bitlinear_row_blockscale(x, w.codes, w.scales)
+
+    def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
+        """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time."""
         x = np.asarray(x, dtype=np.float32)
         n, nb = x.shape[0], w.cols // BLOCK
-        if act_quant == "row":
-            q, s = quantize_rows(x)
-            a = permute_cols(q)
-        elif act_quant == "block256":
-            q, d = quantize_q8k(x)
-            a = permute_cols(q.reshape(n, w.cols))
-        else:
-            a = permute_cols(x)
-        rowwise = w.row_scales is not None and act_quant != "block256"
-        self.record(f"cpu.bitlinear_{'rowscale' if rowwise else 'blockscale'}_{act_quant}")
+        a = permute_cols(x)
+        rowwise = w.row_scales is not None
+        self.record(f"cpu.bitlinear_{'rowscale' if rowwise else 'blockscale'}_none")
         y = np.empty((n, w.rows), dtype=np.float32)
         step = max(1, _CHUNK_BYTES // (4 * w.cols))
         for lo in range(0, w.rows, step):
@@ -100,45 +136,59 @@ class CpuProvider(ReferenceProvider):
             if rowwise:
                 y[:, lo:hi] = (a @ t.T) * w.row_scales[lo:hi]
                 continue
-            # Per-block sums [nb, n, r]; integers (exact) unless act_quant is "none".
             sums = np.matmul(a.reshape(n, nb, BLOCK).transpose(1, 0, 2),
-                             t.reshape(hi - lo, nb, BLOCK).transpose(1, 2, 0))
-            if act_quant == "block256":
-                sums *= d.T[:, :, None]
+                             t.reshape(hi - lo, nb, BLOCK).transpose(1, 2, 0))  # [nb, n, r]
             y[:, lo:hi] = np.einsum("bnr,rb->nr", sums, w.scales[lo:hi])
-        if act_quant == "row":
-            y /= s[:, None]
         return y
 
     def lm_head(self, x: Any, table: Any) -> Any:
-        x = np.asarray(x, dtype=np.float32)
-        if table.dtype == np.float32:
+        self._use_threads()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        table = np.asarray(table)
+        out = np.empty((x.shape[0], table.shape[0]), dtype=np.float32)
+        if table.dtype == np.float16:
+            self.record("cpu.lm_head_f16")
+            fk.lm_head_f16(x, np.ascontiguousarray(table).view(np.uint16), _LM_HEAD_ROWS, out)
+        else:
             self.record("cpu.lm_head_f32")
-            return x @ table.T
-        self.record("cpu.lm_head_f16" if table.dtype == np.float16 else f"cpu.lm_head_{table.dtype.name}")
-        vocab = table.shape[0]
-        out = np.empty((x.shape[0], vocab), dtype=np.float32)
-        for lo in range(0, vocab, _LM_HEAD_ROWS):
-            out[:, lo:lo + _LM_HEAD_ROWS] = x @ table[lo:lo + _LM_HEAD_ROWS].astype(np.float32).T
+            fk.lm_head_f32(x, np.ascontiguousarray(table, dtype=np.float32), _LM_HEAD_ROWS, out)
+        return out
+
+    def rmsnorm(self, x: Any, w: Any, eps: float) -> Any:
+        self.record("cpu.rmsnorm")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        fk.rmsnorm(x, np.ascontiguousarray(w, dtype=np.float32), float(eps), out)
         return out
 
     def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, pos0: int,
                   n_heads: int, n_kv_heads: int, head_dim: int) -> Any:
         self.record("cpu.attention")
-        n = q.shape[0]
+        self._use_threads()
         store_kv(cache, layer, pos0, k, v, n_kv_heads, head_dim)
-        total, group = pos0 + n, n_heads // n_kv_heads
-        # One batched matmul per KV head, its query heads and rows stacked: [n_kv, group * n, hd].
-        qh = np.asarray(q, dtype=np.float32).reshape(n, n_kv_heads, group, head_dim)
-        qh = qh.transpose(1, 2, 0, 3).reshape(n_kv_heads, group * n, head_dim)
-        keys = cache.k[layer, :total].transpose(1, 2, 0)  # [n_kv, hd, T]
-        vals = cache.v[layer, :total].transpose(1, 0, 2)  # [n_kv, T, hd]
-        scores = (qh @ keys) * np.float32(1.0 / np.sqrt(head_dim))
-        scores = scores.reshape(n_kv_heads, group, n, total)
-        scores[:, :, ~causal_mask(pos0, n, total)] = -np.inf
-        scores -= scores.max(axis=3, keepdims=True)
-        p = np.exp(scores)
-        p /= p.sum(axis=3, keepdims=True)
-        out = p.reshape(n_kv_heads, group * n, total) @ vals  # [n_kv, group * n, hd]
-        out = out.reshape(n_kv_heads, group, n, head_dim).transpose(2, 0, 1, 3)
-        return out.reshape(n, n_heads * head_dim)
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        out = np.empty_like(q)
+        fk.attention(q, cache.k[layer], cache.v[layer], pos0, n_heads, out)
+        return out
+
+    def act_mul(self, gate: Any, up: Any, act: str) -> Any:
+        if act not in ACTIVATIONS:
+            raise UsageError(f"unknown activation {act!r}; expected one of {', '.join(ACTIVATIONS)}")
+        self.record("cpu.act_mul")
+        self._use_threads()
+        gate = np.ascontiguousarray(gate, dtype=np.float32)
+        out = np.empty_like(gate)
+        kernel = fk.act_mul if gate.shape[0] == 1 else fk.act_mul_parallel
+        kernel(gate, np.ascontiguousarray(up, dtype=np.float32), act == "relu2", out)
+        return out
+
+    def rope(self, x: Any, n_heads: int, head_dim: int, pos0: int, theta: float) -> Any:
+        self.record("cpu.rope")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        fk.rope(x, n_heads, head_dim, pos0, float(theta), out)
+        return out
+
+    def add(self, a: Any, b: Any) -> Any:
+        self.record("cpu.add")
+        return np.add(a, b, dtype=np.float32)

@@ -1,0 +1,254 @@
+"""CPU plugin vs llama.cpp on one GGUF file: decode and prefill tokens/s, load time, peak RSS.
+
+Each measurement is a fresh process; ours and llama.cpp alternate within every run, so both see
+the same background load (the machines this runs on are shared), and the table shows medians
+of `--runs` with the ratios ours / llama.cpp. A memory-bandwidth probe (numba, the same thread
+count, best of all runs) gives the decode ceiling: the bytes one decode step must read
+(ternary weights plus the LM head) over the probed GB/s. The first-run JIT cost (empty numba
+cache) is measured once.
+
+    python benchmarks/bench_cpu.py --model /tmp/m-tq2_0.gguf --threads 1,2 --runs 5
+    python benchmarks/bench_cpu.py --model /tmp/m-i2_s.gguf --llama-model /tmp/m-tq2_0.gguf
+
+llama.cpp cannot read I2_S: give its TQ2_0 twin (same shapes) as --llama-model.
+Models: `python -m bitnet.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SEED = 1234
+
+
+def _ids(n: int, vocab: int) -> list[int]:
+    import numpy as np
+
+    return [int(i) for i in np.random.default_rng(SEED).integers(0, vocab // 2, n)]
+
+
+def _finish(load_s: float, warm_s: float, n_prompt: int, prefill_s: float, n_decode: int,
+            decode_s: float) -> dict[str, Any]:
+    import resource
+
+    return {"load_s": load_s, "warmup_s": warm_s, "prefill_tps": n_prompt / prefill_s,
+            "decode_tps": n_decode / decode_s,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str) -> dict[str, Any]:
+    import numpy as np
+
+    import bitnet
+
+    t0 = time.perf_counter()
+    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 16, act_quant=act_quant)
+    load_s = time.perf_counter() - t0
+    tr, p = eng.transformer, eng.provider
+    ids = _ids(n_prompt, eng.config.vocab_size)
+
+    def step(tokens: list[int], pos: int) -> int:
+        return int(p.argmax(tr.forward(np.asarray(tokens, dtype=np.int32), pos, all_logits=False))[0])
+
+    t0 = time.perf_counter()  # warm-up: kernel compilation or cache loading, first touches
+    step(ids[:8], 0)
+    step([ids[8]], 8)
+    warm_s = time.perf_counter() - t0
+    tr.reset()
+    t0 = time.perf_counter()
+    tok = step(ids, 0)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for pos in range(n_prompt, n_prompt + n_decode):
+        tok = step([tok], pos)
+    decode_s = time.perf_counter() - t0
+    out = _finish(load_s, warm_s, n_prompt, prefill_s, n_decode, decode_s)
+    out["kernels"] = sorted(k for k in p.dispatches if "bitlinear" in k or "lm_head" in k)
+    eng.close()
+    return out
+
+
+def worker_llama(model: str, threads: int, n_prompt: int, n_decode: int) -> dict[str, Any]:
+    import llama_cpp
+    import numpy as np
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=model, n_ctx=n_prompt + n_decode + 16, n_batch=max(512, n_prompt),
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0
+    vocab = llm.n_vocab()
+    ids = _ids(n_prompt, vocab)
+
+    def step(tokens: list[int]) -> int:
+        llm.eval(tokens)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+        return int(np.argmax(logits))
+
+    t0 = time.perf_counter()
+    step(ids[:8])
+    step([ids[8]])
+    warm_s = time.perf_counter() - t0
+    llm.reset()
+    t0 = time.perf_counter()
+    tok = step(ids)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        tok = step([tok])
+    decode_s = time.perf_counter() - t0
+    llm.close()
+    return _finish(load_s, warm_s, n_prompt, prefill_s, n_decode, decode_s)
+
+
+def worker_bandwidth(threads: int) -> dict[str, Any]:
+    """Read GB/s of `threads` numba threads streaming a 1 GB array (best of 5)."""
+    import numba
+    import numpy as np
+
+    numba.set_num_threads(threads)
+
+    @numba.njit(parallel=True)
+    def read(a: np.ndarray) -> int:
+        n = a.size
+        parts = numba.get_num_threads()
+        acc = np.zeros(parts, np.uint64)
+        step = (n + parts - 1) // parts
+        for t in numba.prange(parts):
+            s = np.uint64(0)
+            for i in range(t * step, min(n, (t + 1) * step)):
+                s ^= a[i]
+            acc[t] = s
+        return int(acc.sum())
+
+    a = np.ones(1 << 27, dtype=np.uint64)
+    read(a)
+    best = min(_timed(read, a) for _ in range(5))
+    return {"gbps": a.nbytes / best / 1e9}
+
+
+def _timed(f: Any, *args: Any) -> float:
+    t0 = time.perf_counter()
+    f(*args)
+    return time.perf_counter() - t0
+
+
+def decode_bytes(model: str) -> int:
+    """Bytes one decode step reads: every projection tensor and the LM head."""
+    from bitnet.gguf_model import _open  # gguf's own reader rejects I2_S (ggml type 36)
+
+    r = _open(model)
+    names = {t.name for t in r.tensors}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    projection = [t for t in r.tensors if t.name.startswith("blk.") and t.name.endswith(".weight")
+                  and "norm" not in t.name]
+    return sum(int(t.n_bytes) for t in projection) + next(int(t.n_bytes) for t in r.tensors if t.name == head)
+
+
+def spawn(kind: str, args: argparse.Namespace, model: str, threads: int,
+          env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+    env = {**os.environ, "BITNET_NUM_THREADS": str(threads), **(env_extra or {})}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model,
+           "--threads", str(threads), "--prompt-tokens", str(args.prompt_tokens),
+           "--decode-tokens", str(args.decode_tokens), "--act-quant", args.act_quant]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    line = next((ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode or line is None:
+        raise RuntimeError(f"{kind} worker failed ({p.returncode}): {p.stderr.strip()[-800:]}")
+    return json.loads(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--llama-model", help="the file llama.cpp runs (default: --model)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--act-quant", default="row")
+    ap.add_argument("--no-jit-probe", action="store_true", help="skip the empty-cache first-run measurement")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    threads = [int(t) for t in str(args.threads).split(",")]
+    if args.worker:
+        if args.worker == "ours":
+            out = worker_ours(args.model, args.prompt_tokens, args.decode_tokens, args.act_quant)
+        elif args.worker == "llama":
+            out = worker_llama(args.model, threads[0], args.prompt_tokens, args.decode_tokens)
+        else:
+            out = worker_bandwidth(threads[0])
+        print("RESULT " + json.dumps(out))
+        return 0
+
+    llama_model = args.llama_model or args.model
+    for path in {args.model, llama_model}:  # both engines mmap: neither pays the first cold read
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    size_mb = os.path.getsize(args.model) / 2**20
+    step_gb = decode_bytes(args.model) / 1e9
+    log = sys.stderr
+    print(f"model {args.model} ({size_mb:.0f} MiB), llama.cpp on {llama_model}; prompt {args.prompt_tokens}, "
+          f"decode {args.decode_tokens} tokens, {args.runs} runs, act_quant {args.act_quant}; "
+          f"a decode step reads {step_gb:.2f} GB", file=log, flush=True)
+    jit = {}
+    if not args.no_jit_probe:
+        with tempfile.TemporaryDirectory() as cache:
+            jit = spawn("ours", args, args.model, threads[0], {"NUMBA_CACHE_DIR": cache})
+        print(f"first run, empty numba cache: warm-up {jit['warmup_s']:.1f} s (cached runs below)", file=log)
+    results: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    bandwidth = dict.fromkeys(threads, 0.0)  # the best probe of all runs: background load only lowers it
+    for run in range(args.runs):
+        for t in threads:
+            bandwidth[t] = max(bandwidth[t], spawn("bandwidth", args, args.model, t)["gbps"])
+            order = ("ours", "llama") if run % 2 == 0 else ("llama", "ours")
+            for kind in order:
+                r = spawn(kind, args, args.model if kind == "ours" else llama_model, t)
+                results.setdefault((kind, t), []).append(r)
+                print(f"  run {run + 1} {kind:<5} t={t}: load {r['load_s']:.2f} s, "
+                      f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps']:.2f} tok/s, "
+                      f"RSS {r['rss_mb']:.0f} MB", file=log, flush=True)
+
+    def med(kind: str, t: int, key: str) -> float:
+        return statistics.median(r[key] for r in results[(kind, t)])
+
+    head = (f"{'thr':>3} {'engine':<10}{'decode t/s':>11}{'prefill t/s':>12}{'load s':>8}{'RSS MiB':>9}"
+            f"{'RSS/file':>9}{'bw-limit t/s':>13}{'of limit':>9}")
+    print(head)
+    print("-" * len(head))
+    for t in threads:
+        limit = bandwidth[t] / step_gb
+        for kind in ("ours", "llama"):
+            dec = med(kind, t, "decode_tps")
+            print(f"{t:>3} {'ours' if kind == 'ours' else 'llama.cpp':<10}{dec:>11.2f}"
+                  f"{med(kind, t, 'prefill_tps'):>12.2f}{med(kind, t, 'load_s'):>8.2f}"
+                  f"{med(kind, t, 'rss_mb'):>9.0f}"
+                  f"{med(kind, t, 'rss_mb') / size_mb:>9.2f}{limit:>13.2f}{dec / limit:>9.0%}")
+        ratios = {k: med("ours", t, k) / med("llama", t, k)
+                  for k in ("decode_tps", "prefill_tps", "load_s", "rss_mb")}
+        print(f"{t:>3} {'ours/llama':<10}{ratios['decode_tps']:>11.2f}{ratios['prefill_tps']:>12.2f}"
+              f"{ratios['load_s']:>8.2f}{ratios['rss_mb']:>9.2f}   (bandwidth probe {bandwidth[t]:.1f} GB/s)")
+    if jit:
+        print(f"first-run JIT (empty cache) warm-up: {jit['warmup_s']:.1f} s; "
+              f"kernels: {', '.join(jit['kernels'])}")
+    if args.json:
+        runs = {f"{k}:{t}": v for (k, t), v in results.items()}
+        args.json.write_text(json.dumps({"runs": runs, "bandwidth_gbps": bandwidth, "jit": jit,
+                                         "decode_gb": step_gb}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
