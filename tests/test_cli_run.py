@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,10 @@ def test_debug_shows_the_traceback(env, tmp_path):
     bad.write_bytes(b"GGUF")
     r = run_cli("--debug", "--device", "cpu", "run", "--model", str(bad), "--prompt", "x", env=env)
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_threads_flag_reaches_the_cpu_backend(env):
+    r = run_cli("--threads", "1", "devices", "--json", env=env)
+    cpu = next(row for row in json.loads(r.stdout) if row["backend"] == "cpu")
+    assert cpu["device"]["properties"]["threads"] == 1
+    assert run_cli("--threads", "0", env=env).returncode == 2

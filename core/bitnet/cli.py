@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -49,10 +50,12 @@ def _registry(ctx: click.Context):
 @click.option("--device", "-d", metavar="REQUEST", default=None,
               help="auto, gpu, a backend name or alias (cuda, opencl, ocl, cpu, ...), NAME:INDEX, "
                    "or an ordered list a,b,c. Default: $BITNET_DEVICE, else auto.")
+@click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
+              help="CPU threads for backends that use them (sets BITNET_NUM_THREADS). Default: all cores.")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.version_option(__version__, prog_name="bitnet-select")
 @click.pass_context
-def main(ctx: click.Context, device: str | None, debug: bool) -> None:
+def main(ctx: click.Context, device: str | None, threads: int | None, debug: bool) -> None:
     """Select a compute backend for BitNet b1.58 inference and run models on it.
 
     With no command, print `requested=... detected=[...] selected=...` and exit 0 if a
@@ -60,6 +63,9 @@ def main(ctx: click.Context, device: str | None, debug: bool) -> None:
     """
     ctx.ensure_object(dict)
     ctx.obj.update(device=device, debug=debug)
+    if threads is not None:
+        # The environment is the one channel every backend (and its thread pools) reads.
+        os.environ["BITNET_NUM_THREADS"] = str(threads)
     if ctx.invoked_subcommand is None:
         from .selection import select
 
