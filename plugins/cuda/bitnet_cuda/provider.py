@@ -31,6 +31,7 @@ from bitnet import kernels_src
 from bitnet.backends import Device
 from bitnet.errors import NoBackendError, UsageError
 from bitnet.kernels import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.kernels_src.host import KVCache, Tensor, TernaryWeight, groups, pow2_floor
 from bitnet.ternary import BLOCK, TernaryMatrix
 
 from . import MAX_LOCAL, TILE_N, nvcc_options
@@ -177,47 +178,6 @@ class BufferPool:
         self.trim()
 
 
-class Tensor:
-    """A device array: the opaque handle core passes around. Its buffer returns to the pool when the
-    handle is dropped; `resident` ones (weights, tables, caches) are not activations and never leak."""
-
-    def __init__(self, pool: BufferPool, shape: tuple[int, ...], dtype: Any, tag: str,
-                 resident: bool = False) -> None:
-        self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
-        self.buf = pool.alloc(math.prod(self.shape) * self.dtype.itemsize, tag, resident)
-        weakref.finalize(self, pool.free, self.buf)
-
-
-@dataclass(frozen=True)
-class TernaryWeight:
-    """Device layout: the canonical 2-bit codes, unchanged, read as 32-bit words (16 per 256-block).
-    Masking one 2-bit plane of a word gives four codes that meet four consecutive int8 activations,
-    one dp4a; the per-block float32 scales stay as they are."""
-
-    codes: Tensor  # uint32 [rows, cols // 16]
-    scales: Tensor  # float32 [rows, cols // 256]
-    rows: int
-    cols: int
-
-
-@dataclass
-class KVCache:
-    k: Tensor  # float32 [n_layers, n_kv_heads, n_ctx, head_dim]
-    v: Tensor
-    n_kv_heads: int
-    n_ctx: int
-    head_dim: int
-    filled: list[int]  # per layer: positions 0..filled-1 hold K and V
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << (int(x).bit_length() - 1)
-
-
-def _groups(count: int, per_group: int) -> int:
-    return -(-count // per_group)
-
-
 def _op(method: Callable[..., _T]) -> Callable[..., _T]:
     """A public operation: this provider's context current, inside an NVTX range named after it."""
     name = method.__name__
@@ -245,7 +205,7 @@ class CudaProvider(KernelProvider):
             self.stream = drv.Stream()  # blocking w.r.t. the legacy stream, so plain copies order too
             self.pool = BufferPool()
             attr = drv.device_attribute
-            max_local = _pow2_floor(min(MAX_LOCAL, self.cu_device.get_attribute(attr.MAX_THREADS_PER_BLOCK)))
+            max_local = pow2_floor(min(MAX_LOCAL, self.cu_device.get_attribute(attr.MAX_THREADS_PER_BLOCK)))
             source = source or kernels_src.source("cuda")
             module = build_program(device.index, self.cu_device, source, max_local)
             self.kernels = {name: module.get_function(name) for name in kernels_src.kernel_names(source)}
@@ -283,7 +243,7 @@ class CudaProvider(KernelProvider):
     def _local_size(self, kernel: Any, max_local: int) -> int:
         """The largest power of two (the tree reductions need one) the device allows for this kernel."""
         limit = kernel.get_attribute(drv.function_attribute.MAX_THREADS_PER_BLOCK)
-        return _pow2_floor(min(max_local, limit))
+        return pow2_floor(min(max_local, limit))
 
     def _run(self, name: str, groups: tuple[int, ...], *args: Any, local: int | None = None) -> None:
         """Launch kernel `name` on a grid of `groups` blocks on the stream and record that it ran."""
@@ -382,7 +342,7 @@ class CudaProvider(KernelProvider):
         dev_ids = self._write(self._new(ids.shape, np.int32, "token ids"), ids)
         out = self._new((len(ids), dim))
         name = "embed_f16" if table.dtype == np.float16 else "embed_f32"
-        self._run(name, (_groups(dim, self.local[name]), len(ids)), table, dev_ids, out, dim)
+        self._run(name, (groups(dim, self.local[name]), len(ids)), table, dev_ids, out, dim)
         return out
 
     @_op
@@ -402,7 +362,7 @@ class CudaProvider(KernelProvider):
         nb, y = cols // BLOCK, self._new((n, w.rows))
         name = "ternary_matmul_f32" if act_quant == "none" else "ternary_matmul_i8"
         lanes = min(nb, self.local[name])  # one 256-block per thread at a time
-        grid = (_groups(w.rows, self.local[name] // lanes), _groups(n, TILE_N))
+        grid = (groups(w.rows, self.local[name] // lanes), groups(n, TILE_N))
         if act_quant == "none":
             self._run(name, grid, w.codes, w.scales, x, y, w.rows, nb, n, lanes)
             return y
@@ -432,7 +392,7 @@ class CudaProvider(KernelProvider):
         cos, sin = self._rope_table(theta, head_dim, pos0 + n)
         out = self._new(x.shape)
         pairs = n_heads * head_dim // 2
-        self._run("rope_neox_f32", (_groups(pairs, self.local["rope_neox_f32"]), n),
+        self._run("rope_neox_f32", (groups(pairs, self.local["rope_neox_f32"]), n),
                   x, out, cos, sin, n_heads, head_dim, pos0)
         return out
 
@@ -448,7 +408,7 @@ class CudaProvider(KernelProvider):
         if pos0 > cache.filled[layer]:  # the kernel would read positions nobody wrote
             raise UsageError(f"position {pos0} follows only {cache.filled[layer]} cached positions")
         width = n_kv_heads * head_dim
-        self._run("kv_store_f32", (_groups(width, self.local["kv_store_f32"]), n),
+        self._run("kv_store_f32", (groups(width, self.local["kv_store_f32"]), n),
                   k, v, cache.k, cache.v, layer, pos0, n_kv_heads, head_dim, cache.n_ctx)
         cache.filled[layer] = pos0 + n
         out = self._new(q.shape)
@@ -472,7 +432,7 @@ class CudaProvider(KernelProvider):
         if a.shape != b.shape:
             raise ValueError(f"{name}: shapes {a.shape} and {b.shape} differ")
         out, count = self._new(a.shape), math.prod(a.shape)
-        self._run(name, (_groups(count, self.local[name]),), a, b, out, count)
+        self._run(name, (groups(count, self.local[name]),), a, b, out, count)
         return out
 
     @_op
@@ -497,7 +457,7 @@ class CudaProvider(KernelProvider):
             count, local = math.prod(table.shape), self.local["convert_table"]
             src16, src32 = (table, out) if src != "f32" else (out, table)  # the unused pointer is a dummy
             dst16, dst32 = (out, table) if want != "f32" else (table, out)
-            self._run("convert_table", (min(_groups(count, local), 1 << 16),), src16, src32, LM_FORMATS[src],
+            self._run("convert_table", (min(groups(count, local), 1 << 16),), src16, src32, LM_FORMATS[src],
                       dst16, dst32, LM_FORMATS[want], np.uint64(count))
             self._lm_tables[table] = out
         return self._lm_tables[table]
@@ -513,8 +473,8 @@ class CudaProvider(KernelProvider):
         local = self.local[name]
         # A row's lanes take 8-element chunks in turn: at least a warp of lanes (coalesced reads),
         # more while each lane still gets 64 elements or more.
-        lanes = min(local, max(_pow2_floor(self.simd[name]), _pow2_floor(max(dim // 64, 1))))
-        y, grid = self._new((n, vocab)), (_groups(vocab, local // lanes), _groups(n, TILE_N))
+        lanes = min(local, max(pow2_floor(self.simd[name]), pow2_floor(max(dim // 64, 1))))
+        y, grid = self._new((n, vocab)), (groups(vocab, local // lanes), groups(n, TILE_N))
         self._run(name, grid, table, x, y, vocab, dim, n, lanes)
         return y
 

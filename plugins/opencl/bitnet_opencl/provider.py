@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from bitnet import kernels_src
 from bitnet.backends import Device
 from bitnet.errors import NoBackendError, UsageError
 from bitnet.kernels import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.kernels_src.host import KVCache, Tensor, TernaryWeight, groups, pow2_floor
 from bitnet.ternary import BLOCK, TernaryMatrix
 
 TILE_N = 8  # tokens per matmul work-group (the kernel source's TILE_N): weights read once per tile
@@ -205,51 +205,6 @@ class BufferPool:
         self.trim()
 
 
-class Tensor:
-    """A device array: the opaque handle core passes around. Its buffer returns to the pool when the
-    handle is dropped; `resident` ones (weights, tables, caches) are not activations and never leak."""
-
-    def __init__(self, pool: BufferPool, shape: tuple[int, ...], dtype: Any, tag: str,
-                 resident: bool = False) -> None:
-        self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
-        self.buf = pool.alloc(math.prod(self.shape) * self.dtype.itemsize, tag, resident)
-        self._free = weakref.finalize(self, pool.free, self.buf)
-
-    def release(self) -> None:
-        """Give the buffer back now rather than when the handle is dropped (once; later calls do nothing)."""
-        self._free()
-
-
-@dataclass(frozen=True)
-class TernaryWeight:
-    """Device layout: the canonical 2-bit codes, unchanged, read as 32-bit words (16 per 256-block).
-    Masking one 2-bit plane of a word gives four codes that meet four consecutive int8 activations,
-    one dp4a; the per-block float32 scales stay as they are."""
-
-    codes: Tensor  # uint32 [rows, cols // 16]
-    scales: Tensor  # float32 [rows, cols // 256]
-    rows: int
-    cols: int
-
-
-@dataclass
-class KVCache:
-    k: Tensor  # float32 [n_layers, n_kv_heads, n_ctx, head_dim]
-    v: Tensor
-    n_kv_heads: int
-    n_ctx: int
-    head_dim: int
-    filled: list[int]  # per layer: positions 0..filled-1 hold K and V
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << (int(x).bit_length() - 1)
-
-
-def _groups(count: int, per_group: int) -> int:
-    return -(-count // per_group)
-
-
 class OpenCLProvider(KernelProvider):
     """One OpenCL device; `device.properties` carry `platform_index` and `device_index`."""
 
@@ -265,7 +220,7 @@ class OpenCLProvider(KernelProvider):
                                  "words of the ternary layout assume little-endian")
         self.queue = cl.CommandQueue(self.ctx)  # in order
         self.pool = BufferPool(self.ctx)
-        max_local = _pow2_floor(min(MAX_LOCAL, self.cl_device.max_work_group_size))
+        max_local = pow2_floor(min(MAX_LOCAL, self.cl_device.max_work_group_size))
         t0 = time.perf_counter()
         program = build_program(self.ctx, self.cl_device, source or kernels_src.source("opencl"), max_local)
         # A cold build takes seconds on some drivers; from the on-disk cache, milliseconds.
@@ -283,7 +238,7 @@ class OpenCLProvider(KernelProvider):
     def _local_size(self, kernel: cl.Kernel, max_local: int) -> int:
         """The largest power of two (the tree reductions need one) the device allows for this kernel."""
         limit = kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self.cl_device)
-        return _pow2_floor(min(max_local, limit))
+        return pow2_floor(min(max_local, limit))
 
     def _run(self, name: str, groups: tuple[int, ...], *args: Any, local: int | None = None) -> None:
         """Enqueue kernel `name` on a grid of `groups` work-groups and record that it ran."""
@@ -392,7 +347,7 @@ class OpenCLProvider(KernelProvider):
         dev_ids = self._write(self._new(ids.shape, np.int32, "token ids"), ids)
         out = self._new((len(ids), dim))
         name = "embed_f16" if table.dtype == np.float16 else "embed_f32"
-        self._run(name, (_groups(dim, self.local[name]), len(ids)), table, dev_ids, out, dim)
+        self._run(name, (groups(dim, self.local[name]), len(ids)), table, dev_ids, out, dim)
         return out
 
     def rmsnorm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -410,7 +365,7 @@ class OpenCLProvider(KernelProvider):
         nb, y = cols // BLOCK, self._new((n, w.rows))
         name = "ternary_matmul_f32" if act_quant == "none" else "ternary_matmul_i8"
         lanes = min(nb, self.local[name])  # one 256-block per thread at a time
-        grid = (_groups(w.rows, self.local[name] // lanes), _groups(n, TILE_N))
+        grid = (groups(w.rows, self.local[name] // lanes), groups(n, TILE_N))
         if act_quant == "none":
             self._run(name, grid, w.codes, w.scales, x, y, w.rows, nb, n, lanes)
             return y
@@ -438,7 +393,7 @@ class OpenCLProvider(KernelProvider):
         cos, sin = self._rope_table(theta, head_dim, pos0 + n)
         out = self._new(x.shape)
         pairs = n_heads * head_dim // 2
-        self._run("rope_neox_f32", (_groups(pairs, self.local["rope_neox_f32"]), n),
+        self._run("rope_neox_f32", (groups(pairs, self.local["rope_neox_f32"]), n),
                   x, out, cos, sin, n_heads, head_dim, pos0)
         return out
 
@@ -453,7 +408,7 @@ class OpenCLProvider(KernelProvider):
         if pos0 > cache.filled[layer]:  # the kernel would read positions nobody wrote
             raise UsageError(f"position {pos0} follows only {cache.filled[layer]} cached positions")
         width = n_kv_heads * head_dim
-        self._run("kv_store_f32", (_groups(width, self.local["kv_store_f32"]), n),
+        self._run("kv_store_f32", (groups(width, self.local["kv_store_f32"]), n),
                   k, v, cache.k, cache.v, layer, pos0, n_kv_heads, head_dim, cache.n_ctx)
         cache.filled[layer] = pos0 + n
         out = self._new(q.shape)
@@ -475,7 +430,7 @@ class OpenCLProvider(KernelProvider):
         if a.shape != b.shape:
             raise ValueError(f"{name}: shapes {a.shape} and {b.shape} differ")
         out, count = self._new(a.shape), math.prod(a.shape)
-        self._run(name, (_groups(count, self.local[name]),), a, b, out, count)
+        self._run(name, (groups(count, self.local[name]),), a, b, out, count)
         return out
 
     def last_row(self, x: Tensor) -> Tensor:
@@ -494,8 +449,8 @@ class OpenCLProvider(KernelProvider):
         local = self.local[name]
         # A row's lanes take 8-element chunks in turn: at least a SIMD width of lanes (coalesced reads),
         # more while each lane still gets 64 elements or more.
-        lanes = min(local, max(_pow2_floor(self.simd[name]), _pow2_floor(max(dim // 64, 1))))
-        y, grid = self._new((n, vocab)), (_groups(vocab, local // lanes), _groups(n, TILE_N))
+        lanes = min(local, max(pow2_floor(self.simd[name]), pow2_floor(max(dim // 64, 1))))
+        y, grid = self._new((n, vocab)), (groups(vocab, local // lanes), groups(n, TILE_N))
         self._run(name, grid, table, x, y, vocab, dim, n, lanes)
         return y
 
