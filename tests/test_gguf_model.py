@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from gguf import GGUFReader
 
 from bitnet.errors import ModelError
 from bitnet.gguf_model import LayerWeights, Model, _Reader, load_model
-from bitnet.tokenizer import synthetic_tokenizer_metadata
+from bitnet.synthetic_vocab import synthetic_tokenizer_metadata
 from bitnet.writer import SyntheticSpec, synthetic_weights, write_model
 
 PROJ = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
@@ -27,14 +26,12 @@ def write(tmp_path: Path, name: str = "m.gguf", **spec: object) -> Path:
 
 def bad_load(path: Path, *fragments: str) -> str:
     """Load must fail with one ModelError line naming the file and saying what is wrong."""
-    t0 = time.perf_counter()
     with pytest.raises(ModelError) as ei:
         load_model(path)
     msg = str(ei.value)
     assert "\n" not in msg and msg.startswith(f"{path}: "), msg
     for f in fragments:
         assert f in msg[len(f"{path}: "):], msg
-    assert time.perf_counter() - t0 < 2
     return msg
 
 

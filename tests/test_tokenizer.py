@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from bitnet.errors import ModelError
-from bitnet.tokenizer import Tokenizer, synthetic_tokenizer_metadata
+from bitnet.synthetic_vocab import synthetic_tokenizer_metadata
+from bitnet.tokenizer import Tokenizer
 
 KINDS = ("gpt2", "llama")
 
@@ -348,7 +349,8 @@ STRESS_EXTRA_WORDS = ["\u0120combining", "\u0120ideographic", "\u0120replacement
 
 @functools.cache
 def _stress_metadata_cached(kind: str) -> dict[str, Any]:
-    from bitnet import tokenizer as T
+    from bitnet import synthetic_vocab as T
+    from bitnet.tokenizer import _bytes_to_unicode
 
     md = synthetic_tokenizer_metadata(kind, 1000)
     tokens, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]
@@ -366,7 +368,7 @@ def _stress_metadata_cached(kind: str) -> dict[str, Any]:
         return True
 
     if kind == "gpt2":
-        byte_chars = T._bytes_to_unicode()
+        byte_chars = _bytes_to_unicode()
         words = Counter("".join(byte_chars[b] for b in line.encode()) for line in lines)
         merges = T._learn_merges(words, 1500)
         for a, b in merges:

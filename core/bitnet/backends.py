@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -70,3 +71,15 @@ class Backend:
 
     def sort_key(self) -> tuple[int, str]:
         return (-self.priority, self.name)
+
+
+def host_cpu_name() -> str:
+    """The host processor's marketing name (Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -26,10 +26,10 @@ def cache_dir() -> Path:
 def _fingerprint() -> str:
     # The bytes written depend on the spec and on the writer, the format encoders and the
     # synthetic tokenizer: hash their sources rather than trust a version someone must bump.
-    from . import formats, tokenizer, writer
+    from . import formats, synthetic_vocab, tokenizer, writer
 
     h = hashlib.sha256(repr(sorted(SPEC_FIELDS.items())).encode())
-    for module in (writer, formats, tokenizer):
+    for module in (writer, formats, synthetic_vocab, tokenizer):
         h.update(Path(module.__file__ or "").read_bytes())
     return h.hexdigest()[:16]
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
+from .backends import host_cpu_name
 from .errors import BitnetError, GateError, UsageError
 
 if TYPE_CHECKING:
@@ -264,15 +265,6 @@ def _git_state() -> tuple[str | None, bool | None]:
     return commit, (bool(status.stdout.strip()) if status.returncode == 0 else None)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def environment(device: Mapping[str, Any]) -> dict[str, Any]:
@@ -294,7 +286,7 @@ def environment(device: Mapping[str, Any]) -> dict[str, Any]:
         "numpy": numpy_version,
         "os": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": host_cpu_name(),
         "cpu_count": os.cpu_count(),
         "opencl": _jsonable(opencl) or None,
         "cuda": _jsonable(cuda) or None,

@@ -24,7 +24,7 @@ from gguf.gguf_writer import TensorInfo, WriterState
 from gguf.quants import dequantize, quantize
 
 from . import formats
-from .tokenizer import synthetic_tokenizer_metadata
+from .synthetic_vocab import synthetic_tokenizer_metadata
 
 WEIGHT_TYPES = ("tq2_0", "tq1_0", "i2_s", "f32", "f16", "bf16")
 EMBD_TYPES = ("f16", "f32", "bf16", "q8_0")

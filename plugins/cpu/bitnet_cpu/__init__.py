@@ -6,20 +6,11 @@ import os
 import platform
 
 from bitnet import hookimpl
-from bitnet.backends import PRIORITY_CPU, Backend, Device, ProbeResult
+from bitnet.backends import PRIORITY_CPU, Backend, Device, ProbeResult, host_cpu_name
 
 __version__ = "0.1.0"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def threads() -> int:
@@ -35,7 +26,7 @@ def probe() -> ProbeResult:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         memory = None
-    return ProbeResult((Device("cpu", 0, _cpu_name(), vendor=platform.machine(), memory_bytes=memory,
+    return ProbeResult((Device("cpu", 0, host_cpu_name(), vendor=platform.machine(), memory_bytes=memory,
                                compute_units=threads(), properties={"threads": threads()}),))
 
 
