@@ -5,7 +5,9 @@ shape), so it streams the F16 table once, converting in registers: numba has no 
 type, so an intrinsic reinterprets the uint16 bits as LLVM `half` and extends them
 (`vcvtph2ps` on F16C/AVX-512 hosts). The table is validated finite at load, so no NaN/Inf
 special cases are needed. Accumulation is float32 with LLVM free to reassociate (fastmath:
-several vector accumulators), within ~1e-6 relative of the float64 reference.
+several vector accumulators), within ~1e-6 relative of the float64 reference. Each row first
+prefetches the next one: the hardware prefetcher alone streamed 7 GB/s on one thread and 12
+on two; with the hint, 8-9 and 15-22 (noisy shared machine, best of 5 each).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 
@@ -26,6 +29,28 @@ def _half_to_float(typingctx: Any, bits: Any) -> Any:
     return types.float32(types.uint16), codegen
 
 
+@intrinsic
+def _prefetch(typingctx: Any, addr: Any) -> Any:
+    """A read hint for the cache line at address `addr` (never faults, even past an array's end)."""
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(types.intp), codegen
+
+
+@njit(inline="always")
+def _prefetch_row(table: np.ndarray, r: int) -> None:
+    """Request every cache line of table row r: the next row, while this one is summed."""
+    start = table.ctypes.data + r * table.strides[0]
+    for c in range(0, table.shape[1] * table.itemsize, 64):
+        _prefetch(start + c)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def lm_head_f16(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
     """out[t, v] = sum_i x[t, i] * float(table[v, i]), table the F16 bits as uint16 [vocab, dim]."""
@@ -35,6 +60,7 @@ def lm_head_f16(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.nd
         r0, r1 = task * rows_per_task, min(vocab, (task + 1) * rows_per_task)
         if n == 1:
             for r in range(r0, r1):
+                _prefetch_row(table, r + 1)
                 acc = np.float32(0.0)
                 for i in range(dim):
                     acc += _half_to_float(table[r, i]) * x[0, i]
@@ -42,6 +68,7 @@ def lm_head_f16(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.nd
         else:
             row = np.empty(dim, np.float32)  # one converted row, reused by every token
             for r in range(r0, r1):
+                _prefetch_row(table, r + 1)
                 for i in range(dim):
                     row[i] = _half_to_float(table[r, i])
                 for t in range(n):
@@ -58,6 +85,7 @@ def lm_head_f32(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.nd
     n = x.shape[0]
     for task in prange((vocab + rows_per_task - 1) // rows_per_task):
         for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
+            _prefetch_row(table, r + 1)
             for t in range(n):
                 acc = np.float32(0.0)
                 for i in range(dim):

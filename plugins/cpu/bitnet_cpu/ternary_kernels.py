@@ -16,6 +16,10 @@ per block, which the quantizer returns. Activations are stored in *byte order* (
 within a 256-block, 64 lanes per 2-bit field s, lane l holding column 128*(l//32) + 32*s +
 l%32, so each field of a block's 64 code bytes multiplies one contiguous 64-byte load.
 
+Each block loop prefetches the codes PREFETCH_BYTES ahead: the hardware prefetcher alone left
+one thread at 5 GB/s and two at 9-11 GB/s on 2B-4T shapes; with it they stream at 8-10 and
+14-17 GB/s (2048 bytes was best of 256..8192 on this machine).
+
 The numba drivers parallelize over chunks of weight rows (`prange`); in prefill each chunk
 runs every token through its rows, TILE tokens per pass over a row, so weights come from
 memory once per call and activations from cache. Integer sums are exact; the float epilogue
@@ -42,6 +46,7 @@ from numba.extending import intrinsic
 ISAS = ("avx512vnni", "avx2", "generic")
 BLOCK = 256
 BLOCK_BYTES = 64
+PREFETCH_BYTES = 2048  # how far past the block being read the codes are requested
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
@@ -113,6 +118,13 @@ class _Block:
 
     def zero(self) -> ir.Constant:
         return ir.Constant(self.acc_type, None)
+
+    def prefetch(self, ptr: ir.Value, offset: int) -> None:
+        """Ask for the cache line `offset` bytes past ptr (a hint: it never faults past the end)."""
+        b, i32 = self.b, _I32
+        fn = _declare(b.module, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), i32, i32, i32])
+        where = b.gep(ptr, [ir.Constant(ir.IntType(64), offset)])
+        b.call(fn, [where, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
 
     def load(self, ptr: ir.Value, offset: int, n: int) -> ir.Value:
         b = self.b
@@ -200,6 +212,7 @@ def _make_dot(tile: int, per_block: bool, isa: str) -> Callable[..., Any]:
             with cgutils.for_range(builder, nb) as loop:
                 k = loop.index
                 wk = builder.gep(w0, [builder.mul(k, ir.Constant(i64, BLOCK_BYTES))])
+                blk.prefetch(wk, PREFETCH_BYTES)
                 codes = blk.codes(wk)
                 qoff = builder.mul(k, ir.Constant(i64, BLOCK))
                 for t in range(tile):
