@@ -87,7 +87,7 @@ def bench_backend(backend: Any, device: Any, repeats: int, probe_gbs: float) -> 
         for rows, cols in SHAPES:
             w = random_ternary(rows, cols, rng)
             seconds = time_matvec(provider, w, repeats, rng)
-            nbytes = w.codes.nbytes + w.scales.nbytes
+            nbytes = w.packed().nbytes + w.scales.nbytes
             gbs = nbytes / seconds / 1e9
             rows_out.append({"backend": backend.name, "device": device.name, "shape": f"{rows}x{cols}",
                              "weight_bytes": nbytes, "median_us": seconds * 1e6, "gbs": gbs,

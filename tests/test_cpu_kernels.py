@@ -13,7 +13,7 @@ import pytest
 
 from bitnet import reference as ref_mod
 from bitnet.reference import ReferenceProvider
-from bitnet.ternary import BLOCK, from_values
+from bitnet.ternary import BLOCK, TernaryMatrix, from_values
 from bitnet_cpu import ternary_kernels as tk
 from bitnet_cpu.provider import CpuProvider
 
@@ -100,6 +100,22 @@ def test_bitlinear_matches_reference(cpu: CpuProvider, mode: str, block_scales: 
     want = REF.bitlinear(x, w, mode)
     assert got.dtype == np.float32 and got.shape == (n, rows)
     assert rel_err(got, want) < (1e-5 if mode == "none" else 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["row", "block256", "none"])
+def test_bitlinear_reads_strided_blocks(cpu: CpuProvider, mode: str) -> None:
+    # TQ2_0 weights stay in the file: 64 code bytes, then 2 scale bytes (random here, so a kernel
+    # that ignored the block stride would read them as codes and be wrong).
+    rng = np.random.default_rng(11)
+    w = ternary(rng, 70, 768, block_scales=True)
+    raw = rng.integers(0, 256, (70, 3, 66), dtype=np.uint8)
+    raw[:, :, :64] = w.blocks()
+    strided = TernaryMatrix(raw[:, :, :64], w.scales)
+    x = rng.standard_normal((5, 768)).astype(np.float32)
+    for rows in (slice(0, 1), slice(0, 5)):  # decode and prefill
+        got = cpu.bitlinear(x[rows], cpu.upload_ternary(strided), mode)
+        np.testing.assert_array_equal(got, cpu.bitlinear(x[rows], cpu.upload_ternary(w), mode))
+        assert rel_err(got, REF.bitlinear(x[rows], w, mode)) < (1e-5 if mode == "none" else 1e-6)
 
 
 def test_extreme_codes_and_zero_weights(cpu: CpuProvider) -> None:

@@ -81,7 +81,7 @@ def test_i2s_decoder_reads_hand_built_bytes(k: int) -> None:
 def test_i2s_to_canonical_matches_the_canonical_packer() -> None:
     t = random_ternary(8, 768, seed=1)
     m = i2s_to_ternary(ternary_to_i2s(t, 0.125), 8, 768)
-    assert np.array_equal(m.codes, pack_values(t))
+    assert np.array_equal(m.packed(), pack_values(t))
     assert np.array_equal(m.values(), t)
 
 
@@ -142,7 +142,21 @@ def test_tq_zero_block_has_zero_scale() -> None:
 def test_tq1_0_large_enough_to_chunk() -> None:
     t = random_ternary(80, 65536, seed=4)  # 5.2M values, more than one conversion chunk
     m = tq1_0_to_ternary(ternary_to_tq1_0(t, 0.25), 80, 65536)
-    assert np.array_equal(m.codes, pack_values(t))
+    assert np.array_equal(m.packed(), pack_values(t))
+
+
+def test_tq2_0_codes_stay_in_place_and_are_checked_in_every_chunk() -> None:
+    rows, cols = 600, 1024  # several check chunks, of whole 64-bit words and a ragged last one
+    t = random_ternary(rows, cols, seed=5)
+    raw = ternary_to_tq2_0(t, 1.999).reshape(rows, -1)  # f16 0x3FFF: every 2-bit field of d is 0b11
+    m = tq2_0_to_ternary(raw, rows, cols)
+    assert np.shares_memory(m.codes, raw) and m.codes.strides[1] == 66  # a view, not a copy
+    assert np.array_equal(m.packed(), pack_values(t))
+    for row in (0, 255, rows - 1):
+        bad = raw.copy()
+        bad[row, 66 * 3 + 63] |= 0b11 << 6  # one field of the last byte of block 3
+        with pytest.raises(ModelError, match="invalid code"):
+            tq2_0_to_ternary(bad, rows, cols)
 
 
 def test_tq2_0_invalid_code_and_nan_scale() -> None:

@@ -102,7 +102,7 @@ def test_load_tiny_model(tmp_path: Path) -> None:
 
 
 def _projections(m: Model) -> list[tuple[np.ndarray, np.ndarray]]:
-    return [(getattr(layer, f).codes, getattr(layer, f).scales) for layer in m.layers for f, _ in PROJ]
+    return [(getattr(layer, f).packed(), getattr(layer, f).scales) for layer in m.layers for f, _ in PROJ]
 
 
 @pytest.mark.parametrize("weight_type", ["i2_s", "tq1_0", "f32", "f16", "bf16"])

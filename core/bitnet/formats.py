@@ -49,10 +49,16 @@ def _reverse_fields(packed: np.ndarray) -> np.ndarray:
     return out.view(np.uint8)
 
 
+def _code3_flags(raw: np.ndarray) -> np.ndarray:
+    """Per byte of flat uint8 `raw`: nonzero where a 2-bit field is 0b11 (both bits of a field set)."""
+    if raw.size % 8 == 0:  # eight bytes per operation
+        x = raw.view(np.uint64)
+        return (x & (x >> np.uint64(1)) & _ODD_BITS).view(np.uint8)
+    return raw & (raw >> np.uint8(1)) & np.uint8(0x55)
+
+
 def _has_code3(codes: np.ndarray) -> bool:
-    """Whether any 2-bit field is 0b11 (both bits of a field set)."""
-    x = np.ascontiguousarray(codes).reshape(-1).view(np.uint64)
-    return bool(np.any(x & (x >> np.uint64(1)) & _ODD_BITS))
+    return bool(np.any(_code3_flags(np.ascontiguousarray(codes).reshape(-1))))
 
 
 def _check_shape(kind: str, raw: np.ndarray, rows: int, cols: int, nbytes: int) -> None:
@@ -68,21 +74,19 @@ def _check_scales(kind: str, scales: np.ndarray) -> None:
 
 
 def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
-    """TQ2_0 bytes ([rows, cols/256*66] or flat) -> TernaryMatrix; qs already is the canonical layout."""
+    """TQ2_0 bytes ([rows, cols/256*66] or flat) -> TernaryMatrix whose codes are a view of the
+    blocks' `qs` (already the canonical layout) in place: nothing is copied but the scales."""
     nb = cols // BLOCK
     _check_shape("TQ2_0", raw, rows, cols, rows * nb * TQ2_0_BLOCK_BYTES)
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, TQ2_0_BLOCK_BYTES)
     scales = np.ascontiguousarray(blocks[:, :, 64:]).view(np.float16).reshape(rows, nb).astype(np.float32)
     _check_scales("TQ2_0", scales)
-    codes = np.empty((rows, cols // 4), dtype=np.uint8)
-    # A cache-sized chunk at a time: the code check then reads the copy from cache, not memory.
-    step = max(1, _CHUNK_BYTES // (cols // 4))
+    step = 4 * max(1, _CHUNK_BYTES // (4 * nb * TQ2_0_BLOCK_BYTES))  # 4 rows at a time are whole 64-bit words
     for r in range(0, rows, step):
-        chunk = codes[r:r + step]
-        chunk.reshape(-1, nb, 64)[...] = blocks[r:r + step, :, :64]
-        if _has_code3(chunk):
+        chunk = blocks[r:r + step]
+        if _code3_flags(chunk.reshape(-1)).reshape(chunk.shape)[:, :, :64].any():
             raise ModelError("TQ2_0 tensor holds the invalid code 0b11")
-    return TernaryMatrix(codes, scales)
+    return TernaryMatrix(blocks[:, :, :64], scales)
 
 
 def tq1_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:

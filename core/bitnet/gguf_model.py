@@ -13,6 +13,7 @@ import os
 import struct
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -406,9 +407,9 @@ def _ternary(t: ReaderTensor, scale: ReaderTensor | None) -> TernaryMatrix:
 def _release_pages(reader: _Reader, t: ReaderTensor) -> None:
     """Drop a converted tensor's file pages from this process's resident set.
 
-    Projections are copied out of the mapping into the canonical layout, so their mapped
-    pages, touched once by the conversion, would otherwise count twice toward the peak RSS
-    (the copy and the file page). The data stays in the page cache and re-faults if read.
+    Projections copied out of the mapping into the canonical layout (all but TQ2_0, which is
+    used in place) would otherwise count twice toward the peak RSS (the copy and the file page,
+    touched once by the conversion). The data stays in the page cache and re-faults if read.
     """
     mapping = getattr(reader.data, "_mmap", None)
     if mapping is None or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
@@ -454,19 +455,31 @@ def _build(path: str, reader: _Reader, progress: Callable[[int, int], None] | No
                                  f"has shape {_dims(t)} and type {type_name(int(t.tensor_type))}")
             scales[name] = t
 
-    token_embd = _float_tensor(tensors["token_embd.weight"], keep_view=True)
-    output = _float_tensor(tensors["output.weight"], keep_view=True) if "output.weight" in tensors else None
-    layers = []
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        mats = {field: _ternary(tensors[p + n + ".weight"], scales.get(p + n + ".weight"))
-                for field, n in _PROJECTIONS}
-        for _, n in _PROJECTIONS:
-            _release_pages(reader, tensors[p + n + ".weight"])
-        norms = {n: _float_tensor(tensors[p + n + ".weight"]) for n in _LAYER_NORMS}
-        layers.append(LayerWeights(**norms, **mats))
-        if progress is not None:
-            progress(i + 1, cfg.n_layers)
+    def convert(name: str) -> TernaryMatrix:
+        m = _ternary(tensors[name], scales.get(name))
+        if not np.may_share_memory(m.codes, tensors[name].data):  # a copy: the file pages are spent
+            _release_pages(reader, tensors[name])
+        return m
+
+    # Conversion is NumPy work that releases the GIL: one thread per core converts the
+    # projections (and checks the embedding), 0.73 -> 0.40 s for 2B-4T TQ2_0 on 2 cores.
+    # Results are taken in file order, so the first bad tensor is the one reported.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        try:
+            embd = pool.submit(_float_tensor, tensors["token_embd.weight"], True)
+            out = pool.submit(_float_tensor, tensors["output.weight"], True) if "output.weight" in tensors else None
+            pending = [{field: pool.submit(convert, f"blk.{i}.{n}.weight") for field, n in _PROJECTIONS}
+                       for i in range(cfg.n_layers)]
+            token_embd, output = embd.result(), None if out is None else out.result()
+            layers = []
+            for i, futures in enumerate(pending):
+                norms = {n: _float_tensor(tensors[f"blk.{i}.{n}.weight"]) for n in _LAYER_NORMS}
+                layers.append(LayerWeights(**norms, **{field: f.result() for field, f in futures.items()}))
+                if progress is not None:
+                    progress(i + 1, cfg.n_layers)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
     return Model(
         path=path, config=cfg, metadata=md, token_embd=token_embd,

@@ -18,10 +18,24 @@ BYTES_PER_BLOCK = BLOCK // 4
 
 @dataclass(frozen=True)
 class TernaryMatrix:
-    """A [rows, cols] ternary matrix: value = (code - 1) * scales[row, col // 256]."""
+    """A [rows, cols] ternary matrix: value = (code - 1) * scales[row, col // 256].
 
-    codes: np.ndarray  # uint8 [rows, cols // 4]
+    `codes` holds the code bytes either as uint8 [rows, cols // 4] or as blocks, uint8
+    [rows, cols // 256, 64]: the blocks form lets a TQ2_0 tensor stay in the memory-mapped
+    file as a strided view (its blocks are 66 bytes apart), with no copy. Use `blocks()` for a
+    view of either form and `packed()` for contiguous [rows, cols // 4] bytes.
+    """
+
+    codes: np.ndarray
     scales: np.ndarray  # float32 [rows, cols // 256]
+
+    def __post_init__(self) -> None:
+        c = self.codes
+        width = c.shape[1] * (4 if c.ndim == 2 else BLOCK) if c.ndim in (2, 3) else -1
+        if c.dtype != np.uint8 or width < 0 or (c.ndim == 3 and c.shape[2] != BYTES_PER_BLOCK) \
+                or self.scales.shape != (c.shape[0], width // BLOCK):
+            raise ValueError(f"TernaryMatrix needs uint8 codes [rows, cols/4] or [rows, cols/256, 64] and "
+                             f"scales [rows, cols/256]; got {c.dtype} {c.shape} and {self.scales.shape}")
 
     @property
     def rows(self) -> int:
@@ -29,7 +43,15 @@ class TernaryMatrix:
 
     @property
     def cols(self) -> int:
-        return int(self.codes.shape[1]) * 4
+        return int(self.scales.shape[1]) * BLOCK
+
+    def blocks(self) -> np.ndarray:
+        """uint8 [rows, cols // 256, 64], a view (strided when the codes stay in the file)."""
+        return self.codes if self.codes.ndim == 3 else self.codes.reshape(self.rows, -1, BYTES_PER_BLOCK)
+
+    def packed(self) -> np.ndarray:
+        """Contiguous uint8 [rows, cols // 4]: the codes themselves, or a copy of a strided view."""
+        return np.ascontiguousarray(self.blocks()).reshape(self.rows, self.cols // 4)
 
     @property
     def row_scales(self) -> np.ndarray | None:
@@ -39,7 +61,7 @@ class TernaryMatrix:
 
     def values(self) -> np.ndarray:
         """The ternary values t in {-1, 0, 1} as int8 [rows, cols] (tests and reference only)."""
-        return unpack_codes(self.codes)
+        return unpack_codes(self.packed())
 
     def dequantize(self) -> np.ndarray:
         """Float32 [rows, cols]: t times its block scale (tests and reference only)."""

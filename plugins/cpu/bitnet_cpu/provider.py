@@ -1,6 +1,7 @@
 """The CPU kernel provider: numba kernels on the packed weights, NumPy for the rest.
 
-Ternary weights stay packed (2 bits each, the canonical layout is also the kernel's layout).
+Ternary weights stay packed (2 bits each, the canonical layout is also the kernel's layout),
+TQ2_0 in place in the memory-mapped file.
 BitLinear quantizes activations to int8 and runs the SIMD integer kernels of
 `ternary_kernels`; the F16 LM head and RMSNorm run in `float_kernels`. Unquantized ("none")
 BitLinear keeps the NumPy path: it unpacks a chunk of rows at a time through a 256-entry
@@ -42,17 +43,17 @@ _LM_HEAD_ROWS = 512
 class PackedTernary:
     """A resident ternary projection: the canonical codes plus what the fast paths need."""
 
-    codes: np.ndarray  # uint8 [rows, cols // 4]
+    blocks: np.ndarray  # uint8 [rows, cols // 256, 64], possibly a strided view into the model file
     scales: np.ndarray  # float32 [rows, cols // 256]
     row_scales: np.ndarray | None  # float32 [rows] when every block of a row shares its scale
 
     @property
     def rows(self) -> int:
-        return int(self.codes.shape[0])
+        return int(self.blocks.shape[0])
 
     @property
     def cols(self) -> int:
-        return int(self.codes.shape[1]) * 4
+        return int(self.blocks.shape[1]) * BLOCK
 
 
 def unpack_rows(codes: np.ndarray) -> np.ndarray:
@@ -103,8 +104,7 @@ class CpuProvider(ReferenceProvider):
             numba.set_num_threads(self.n_threads)
 
     def upload_ternary(self, w: TernaryMatrix) -> Any:
-        return PackedTernary(np.ascontiguousarray(w.codes), np.ascontiguousarray(w.scales, dtype=np.float32),
-                             w.row_scales)
+        return PackedTernary(w.blocks(), np.ascontiguousarray(w.scales, dtype=np.float32), w.row_scales)
 
     def bitlinear(self, x: Any, w: Any, act_quant: str) -> Any:
         check_act_quant(act_quant)
@@ -114,12 +114,12 @@ class CpuProvider(ReferenceProvider):
         x = np.ascontiguousarray(x, dtype=np.float32)
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
-            return tk.bitlinear_block256(x, w.codes, w.scales)
+            return tk.bitlinear_block256(x, w.blocks, w.scales)
         if w.row_scales is not None:
             self.record("cpu.bitlinear_rowscale_row")
-            return tk.bitlinear_row_rowscale(x, w.codes, w.row_scales)
+            return tk.bitlinear_row_rowscale(x, w.blocks, w.row_scales)
         self.record("cpu.bitlinear_blockscale_row")
-        return tk.bitlinear_row_blockscale(x, w.codes, w.scales)
+        return tk.bitlinear_row_blockscale(x, w.blocks, w.scales)
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
         """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time."""
@@ -132,7 +132,7 @@ class CpuProvider(ReferenceProvider):
         step = max(1, _CHUNK_BYTES // (4 * w.cols))
         for lo in range(0, w.rows, step):
             hi = min(lo + step, w.rows)
-            t = unpack_rows(w.codes[lo:hi])
+            t = unpack_rows(np.ascontiguousarray(w.blocks[lo:hi]).reshape(hi - lo, -1))
             if rowwise:
                 y[:, lo:hi] = (a @ t.T) * w.row_scales[lo:hi]
                 continue

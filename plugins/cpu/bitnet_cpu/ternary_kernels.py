@@ -20,6 +20,8 @@ Each block loop prefetches the codes PREFETCH_BYTES ahead: the hardware prefetch
 one thread at 5 GB/s and two at 9-11 GB/s on 2B-4T shapes; with it they stream at 8-10 and
 14-17 GB/s (2048 bytes was best of 256..8192 on this machine).
 
+Weights are read as blocks, uint8 [rows, n_blocks, 64] with any row and block stride, so
+TQ2_0 runs straight from the memory-mapped file (66-byte blocks: the codes, then the scale).
 The numba drivers parallelize over chunks of weight rows (`prange`); in prefill each chunk
 runs every token through its rows, TILE tokens per pass over a row, so weights come from
 memory once per call and activations from cache. Integer sums are exact; the float epilogue
@@ -177,21 +179,22 @@ class _Block:
 
 
 def _make_dot(tile: int, per_block: bool, isa: str) -> Callable[..., Any]:
-    """An intrinsic dot(w_addr, n_blocks, q_addr, q_stride, n_tok, out_addr) -> None.
+    """An intrinsic dot(w_addr, n_blocks, w_stride, q_addr, q_stride, n_tok, out_addr) -> None.
 
-    One row of codes (n_blocks * 64 bytes at w_addr) times `tile` token rows of activations
+    One row of codes (n_blocks blocks of 64 bytes, w_stride apart, from w_addr) times `tile`
+    token rows of activations
     (int8 in byte order, q_stride bytes apart), reading each weight byte once for all of
     them. Tokens past n_tok (<= tile) reuse the last row and are not stored. Writes int32
     out[t] = the row's sum(c * q) for token t, or with per_block out[t * n_blocks + b].
     """
 
     @intrinsic
-    def dot(typingctx: Any, w_addr: Any, n_blocks: Any, q_addr: Any, q_stride: Any, n_tok: Any,
+    def dot(typingctx: Any, w_addr: Any, n_blocks: Any, w_stride: Any, q_addr: Any, q_stride: Any, n_tok: Any,
             out_addr: Any) -> Any:
-        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.intp)
+        sig = types.void(*[types.intp] * 7)
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            w_i, nb, q_i, stride, ntok, out_i = args
+            w_i, nb, wstep, q_i, stride, ntok, out_i = args
             i8p, i64 = _I8.as_pointer(), ir.IntType(64)
             blk = _Block(builder, isa)
             w0 = builder.inttoptr(w_i, i8p)
@@ -211,7 +214,7 @@ def _make_dot(tile: int, per_block: bool, isa: str) -> Callable[..., Any]:
 
             with cgutils.for_range(builder, nb) as loop:
                 k = loop.index
-                wk = builder.gep(w0, [builder.mul(k, ir.Constant(i64, BLOCK_BYTES))])
+                wk = builder.gep(w0, [builder.mul(k, wstep)])
                 blk.prefetch(wk, PREFETCH_BYTES)
                 codes = blk.codes(wk)
                 qoff = builder.mul(k, ir.Constant(i64, BLOCK))
@@ -317,8 +320,8 @@ def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray) 
 def matmul_rowscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, s: np.ndarray, row_scale: np.ndarray,
                     out: np.ndarray) -> None:
     """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row."""
-    rows, nb, n = codes.shape[0], codes.shape[1] // BLOCK_BYTES, q.shape[0]
-    wstride, qstride = codes.strides[0], q.strides[0]
+    rows, nb, n = codes.shape[0], codes.shape[1], q.shape[0]
+    wstride, bstride, qstride = codes.strides[0], codes.strides[1], q.strides[0]
     qtot = np.zeros(n, np.int64)
     for t in range(n):
         for b in range(nb):
@@ -332,9 +335,9 @@ def matmul_rowscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, s: np.nd
             for r in range(r0, r1):
                 waddr = codes.ctypes.data + r * wstride
                 if nt == 1:
-                    _dot_row_1(waddr, nb, qaddr, qstride, 1, isum.ctypes.data)
+                    _dot_row_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
                 else:
-                    _dot_row_tile(waddr, nb, qaddr, qstride, nt, isum.ctypes.data)
+                    _dot_row_tile(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
                 for i in range(nt):
                     t = t0 + i
                     out[t, r] = np.float32(np.float64(isum[i] - qtot[t]) * np.float64(row_scale[r])
@@ -349,8 +352,8 @@ def matmul_blockscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, scales
     per_block_act (Q8_K, "block256"): out[t, r] = sum_b isum * scales[r, b] * act_scale[t, b];
     else ("row" with block scales): out[t, r] = sum_b (isum * scales[r, b]) / act_scale[t, 0].
     """
-    rows, nb, n = codes.shape[0], codes.shape[1] // BLOCK_BYTES, q.shape[0]
-    wstride, qstride = codes.strides[0], q.strides[0]
+    rows, nb, n = codes.shape[0], codes.shape[1], q.shape[0]
+    wstride, bstride, qstride = codes.strides[0], codes.strides[1], q.strides[0]
     for task in prange((rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         isum = np.empty(TILE * nb, np.int32)
         r0, r1 = task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)
@@ -360,9 +363,9 @@ def matmul_blockscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, scales
             for r in range(r0, r1):
                 waddr = codes.ctypes.data + r * wstride
                 if nt == 1:
-                    _dot_blocks_1(waddr, nb, qaddr, qstride, 1, isum.ctypes.data)
+                    _dot_blocks_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
                 else:
-                    _dot_blocks_tile(waddr, nb, qaddr, qstride, nt, isum.ctypes.data)
+                    _dot_blocks_tile(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
                 for i in range(nt):
                     t = t0 + i
                     acc = 0.0

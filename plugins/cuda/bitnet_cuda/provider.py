@@ -297,7 +297,7 @@ class CudaProvider(KernelProvider):
     def upload_ternary(self, w: TernaryMatrix) -> TernaryWeight:
         codes = Tensor(self.pool, (w.rows, w.cols // 16), np.uint32, "ternary codes", resident=True)
         scales = Tensor(self.pool, w.scales.shape, np.float32, "ternary scales", resident=True)
-        self._write(codes, np.ascontiguousarray(w.codes).view(np.uint32))
+        self._write(codes, w.packed().view(np.uint32))
         self._write(scales, w.scales.astype(np.float32, copy=False))
         return TernaryWeight(codes, scales, w.rows, w.cols)
 

@@ -307,7 +307,7 @@ class OpenCLProvider(KernelProvider):
     def upload_ternary(self, w: TernaryMatrix) -> TernaryWeight:
         name = f"{w.rows}x{w.cols}"
         codes, scales = self._resident(
-            ((w.rows, w.cols // 16), np.uint32, f"ternary codes {name}", np.ascontiguousarray(w.codes).view(np.uint32)),
+            ((w.rows, w.cols // 16), np.uint32, f"ternary codes {name}", w.packed().view(np.uint32)),
             (w.scales.shape, np.float32, f"ternary scales {name}", w.scales.astype(np.float32, copy=False)))
         return TernaryWeight(codes, scales, w.rows, w.cols)
 
