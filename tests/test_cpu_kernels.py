@@ -13,7 +13,7 @@ import pytest
 
 from bitnet import reference as ref_mod
 from bitnet.reference import ReferenceProvider
-from bitnet.ternary import BLOCK, TernaryMatrix, from_values
+from bitnet.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet_cpu import ternary_kernels as tk
 from bitnet_cpu.provider import CpuProvider
 
@@ -44,6 +44,11 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 
 # -- quantization: the same int8 values and scales as the reference, bit for bit -------------------
 
+# Byte order for weights whose fields are reversed (I2_S): field f holds the columns of field 3 - f.
+_lane = np.arange(BLOCK)
+MIRRORED_PERM = 128 * ((_lane % 64) // 32) + 32 * (3 - _lane // 64) + _lane % 32
+
+
 def test_quantize_rows_is_bit_exact() -> None:
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 100, (6, 1))).astype(np.float32)
@@ -51,12 +56,13 @@ def test_quantize_rows_is_bit_exact() -> None:
     x[2, :300] = np.arange(300, dtype=np.float32) / 2 - 75  # exact halves: ties round to even
     x[2, 300] = 127.0
     q, s, qsum = np.empty((6, 512), np.int8), np.empty(6, np.float32), np.empty((6, 2), np.int32)
-    tk.quantize_rows(x, q, s, qsum)
     want_q, want_s = ref_mod.quantize_rows(x)
     want_q = want_q.reshape(6, 2, BLOCK)
-    np.testing.assert_array_equal(s, want_s)
-    np.testing.assert_array_equal(q.reshape(6, 2, BLOCK), want_q[:, :, tk.PERM])
-    np.testing.assert_array_equal(qsum, want_q.sum(axis=2))
+    for rev, perm in ((False, tk.PERM), (True, MIRRORED_PERM)):
+        tk.quantize_rows(x, q, s, qsum, rev)
+        np.testing.assert_array_equal(s, want_s)
+        np.testing.assert_array_equal(q.reshape(6, 2, BLOCK), want_q[:, :, perm])
+        np.testing.assert_array_equal(qsum, want_q.sum(axis=2))
 
 
 def test_quantize_q8k_is_bit_exact() -> None:
@@ -65,7 +71,7 @@ def test_quantize_q8k_is_bit_exact() -> None:
     x[0, 256:512] = 0.0  # an all-zero block: d = 0, q = 0
     x[1, 5], x[1, 9] = -4.0, 4.0  # equal magnitudes: the first one sets the sign of iscale
     q, d, qsum = np.empty((3, 768), np.int8), np.empty((3, 3), np.float32), np.empty((3, 3), np.int32)
-    tk.quantize_q8k(x, q, d, qsum)
+    tk.quantize_q8k(x, q, d, qsum, False)
     want_q, want_d = ref_mod.quantize_q8k(x)
     np.testing.assert_array_equal(d, want_d)
     np.testing.assert_array_equal(q.reshape(3, 3, BLOCK), want_q[:, :, tk.PERM])
@@ -103,14 +109,19 @@ def test_bitlinear_matches_reference(cpu: CpuProvider, mode: str, block_scales: 
 
 
 @pytest.mark.parametrize("mode", ["row", "block256", "none"])
-def test_bitlinear_reads_strided_blocks(cpu: CpuProvider, mode: str) -> None:
+@pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
+def test_bitlinear_reads_weights_in_file_layouts(cpu: CpuProvider, mode: str, layout: str) -> None:
     # TQ2_0 weights stay in the file: 64 code bytes, then 2 scale bytes (random here, so a kernel
-    # that ignored the block stride would read them as codes and be wrong).
+    # that ignored the block stride would read them as codes and be wrong). I2_S bytes hold
+    # their four codes in reverse order.
     rng = np.random.default_rng(11)
     w = ternary(rng, 70, 768, block_scales=True)
-    raw = rng.integers(0, 256, (70, 3, 66), dtype=np.uint8)
-    raw[:, :, :64] = w.blocks()
-    strided = TernaryMatrix(raw[:, :, :64], w.scales)
+    if layout == "tq2_0":
+        raw = rng.integers(0, 256, (70, 3, 66), dtype=np.uint8)
+        raw[:, :, :64] = w.blocks()
+        strided = TernaryMatrix(raw[:, :, :64], w.scales)
+    else:
+        strided = TernaryMatrix(reverse_fields(w.packed()), w.scales, fields_reversed=True)
     x = rng.standard_normal((5, 768)).astype(np.float32)
     for rows in (slice(0, 1), slice(0, 5)):  # decode and prefill
         got = cpu.bitlinear(x[rows], cpu.upload_ternary(strided), mode)

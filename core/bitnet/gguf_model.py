@@ -7,6 +7,7 @@ converted, so a bad file fails fast and never triggers a large allocation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import os
@@ -400,15 +401,15 @@ def _ternary(t: ReaderTensor, scale: ReaderTensor | None) -> TernaryMatrix:
         # llama.cpp multiplies the projection output by this scalar; folding it into the weight
         # scale is the same product and keeps one code path for every kernel.
         s = _float_tensor(scale).reshape(-1)[0]
-        m = TernaryMatrix(m.codes, (m.scales * s).astype(np.float32))
+        m = dataclasses.replace(m, scales=(m.scales * s).astype(np.float32))
     return m
 
 
 def _release_pages(reader: _Reader, t: ReaderTensor) -> None:
     """Drop a converted tensor's file pages from this process's resident set.
 
-    Projections copied out of the mapping into the canonical layout (all but TQ2_0, which is
-    used in place) would otherwise count twice toward the peak RSS (the copy and the file page,
+    Projections copied out of the mapping into the canonical layout (all but TQ2_0 and I2_S,
+    which are used in place) would otherwise count twice toward the peak RSS (the copy and the file page,
     touched once by the conversion). The data stays in the page cache and re-faults if read.
     """
     mapping = getattr(reader.data, "_mmap", None)

@@ -45,7 +45,7 @@ import heapq
 import numbers
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from bitnet.errors import ModelError
 
@@ -191,6 +191,12 @@ def _flag(md: dict[str, Any], key: str, default: bool) -> bool:
     return bool(value)
 
 
+class _SpecialTable(NamedTuple):
+    lengths: dict[str, list[int]]  # first character -> the lengths of special texts starting with it
+    ids: dict[str, list[int]]  # text -> its token ids
+    rank: dict[int, int]  # id -> matching order
+
+
 class Tokenizer:
     """Text <-> token ids for a GGUF model, giving the ids llama.cpp gives.
 
@@ -244,29 +250,7 @@ class Tokenizer:
         self._eog_ids = eog_ids
         # Later duplicates win, as in llama.cpp's token_to_id map.
         self._token_to_id = token_to_id if token_to_id is not None else {t: i for i, t in enumerate(tokens)}
-        # llama.cpp's cache_special_tokens: longest text first, so "<|eot_id|>" is split
-        # out before any shorter special token it contains.
-        special_mask = _ATTR_CONTROL | _ATTR_USER_DEFINED | _ATTR_UNKNOWN
-        specials = sorted(
-            (i for i, a in enumerate(attrs) if a & special_mask), key=lambda i: -len(tokens[i].encode())
-        )
-        self._special_rank = {tid: r for r, tid in enumerate(specials)}
-        # Lookup tables to find which special texts occur in a text without trying all of
-        # them (Llama-3 has 256, padded vocabularies far more): first character -> lengths.
-        self._special_ids: dict[str, list[int]] = {}
-        for tid in specials:
-            same = self._special_ids.get(tokens[tid])
-            if same is None:
-                self._special_ids[tokens[tid]] = [tid]
-            else:
-                same.append(tid)
-        first: dict[str, set[int]] = {}
-        for text in self._special_ids:
-            lengths = first.get(text[0])
-            if lengths is None:
-                first[text[0]] = lengths = set()
-            lengths.add(len(text))
-        self._special_lengths = {c: sorted(lengths) for c, lengths in first.items()}
+        self._special_tables: dict[bool, _SpecialTable] = {}  # built on first use, see _specials
         self._pieces: list[bytes] | None = None
         self._hf: Any = None
         if model == "gpt2":
@@ -468,19 +452,47 @@ class Tokenizer:
             frags = new
         return frags
 
+    def _specials(self, special: bool) -> _SpecialTable:
+        """The tokens `_partition` looks for: user-defined ones, and with ``special`` also control
+        and unknown ones. Built on first use: a padded vocabulary can have 100k+ control tokens
+        that a plain encode never looks for."""
+        table = self._special_tables.get(special)
+        if table is not None:
+            return table
+        mask = _ATTR_USER_DEFINED | (_ATTR_CONTROL | _ATTR_UNKNOWN if special else 0)
+        # llama.cpp's cache_special_tokens: longest text first, so "<|eot_id|>" is split out
+        # before any shorter special token it contains (a stable sort: a subset keeps its order).
+        tokens = self.tokens
+        order = sorted((i for i, a in enumerate(self.attrs) if a & mask), key=lambda i: -len(tokens[i].encode()))
+        # first character -> lengths: find which special texts occur without trying all of them.
+        ids: dict[str, list[int]] = {}
+        for tid in order:
+            same = ids.get(tokens[tid])
+            if same is None:
+                ids[tokens[tid]] = [tid]
+            else:
+                same.append(tid)
+        first: dict[str, set[int]] = {}
+        for text in ids:
+            lengths = first.get(text[0])
+            if lengths is None:
+                first[text[0]] = lengths = set()
+            lengths.add(len(text))
+        table = _SpecialTable({c: sorted(n) for c, n in first.items()}, ids, {t: r for r, t in enumerate(order)})
+        self._special_tables[special] = table
+        return table
+
     def _specials_in(self, text: str, special: bool) -> list[int]:
         """The special tokens whose text occurs in ``text``, in llama.cpp's matching order.
 
         A fragment is a substring of the text, so no other special token can match.
         """
+        table = self._specials(special)
         found: set[int] = set()
-        lengths = self._special_lengths
-        ids = self._special_ids
         for pos, c in enumerate(text):
-            for n in lengths.get(c, ()):
-                found.update(ids.get(text[pos : pos + n], ()))
-        skip = 0 if special else _ATTR_CONTROL | _ATTR_UNKNOWN
-        return sorted((t for t in found if not self.attrs[t] & skip), key=self._special_rank.__getitem__)
+            for n in table.lengths.get(c, ()):
+                found.update(table.ids.get(text[pos : pos + n], ()))
+        return sorted(found, key=table.rank.__getitem__)
 
     def _spm_tokenize(self, text: str, out: list[int]) -> None:
         """llama.cpp's llm_tokenizer_spm_session::tokenize on one fragment.

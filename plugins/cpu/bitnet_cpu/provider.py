@@ -1,7 +1,7 @@
 """The CPU kernel provider: numba kernels on the packed weights, NumPy for the rest.
 
 Ternary weights stay packed (2 bits each, the canonical layout is also the kernel's layout),
-TQ2_0 in place in the memory-mapped file.
+TQ2_0 and I2_S in place in the memory-mapped file.
 BitLinear quantizes activations to int8 and runs the SIMD integer kernels of
 `ternary_kernels`; the F16 LM head and RMSNorm run in `float_kernels`. Unquantized ("none")
 BitLinear keeps the NumPy path: it unpacks a chunk of rows at a time through a 256-entry
@@ -46,6 +46,7 @@ class PackedTernary:
     blocks: np.ndarray  # uint8 [rows, cols // 256, 64], possibly a strided view into the model file
     scales: np.ndarray  # float32 [rows, cols // 256]
     row_scales: np.ndarray | None  # float32 [rows] when every block of a row shares its scale
+    fields_reversed: bool  # I2_S byte order (see bitnet.ternary)
 
     @property
     def rows(self) -> int:
@@ -61,7 +62,7 @@ def unpack_rows(codes: np.ndarray) -> np.ndarray:
     return np.take(_LUT16, codes).view(np.float32)
 
 
-def permute_cols(x: np.ndarray) -> np.ndarray:
+def permute_cols(x: np.ndarray, fields_reversed: bool = False) -> np.ndarray:
     """Reorder the columns of x [n, cols] to the byte order unpack_rows produces.
 
     Byte j of each 32-byte group holds values j, j+32, j+64, j+96 of its 128 columns, so the
@@ -69,7 +70,10 @@ def permute_cols(x: np.ndarray) -> np.ndarray:
     than transposing the unpacked weights. Each 256-block stays contiguous.
     """
     n, cols = x.shape
-    return np.ascontiguousarray(x.reshape(n, cols // 128, 4, 32).transpose(0, 1, 3, 2)).reshape(n, cols)
+    fields = x.reshape(n, cols // 128, 4, 32)
+    if fields_reversed:  # I2_S: the low bits of a byte hold the last of its four values
+        fields = fields[:, :, ::-1]
+    return np.ascontiguousarray(fields.transpose(0, 1, 3, 2)).reshape(n, cols)
 
 
 def _bounded_openmp_spinning() -> None:
@@ -104,7 +108,8 @@ class CpuProvider(ReferenceProvider):
             numba.set_num_threads(self.n_threads)
 
     def upload_ternary(self, w: TernaryMatrix) -> Any:
-        return PackedTernary(w.blocks(), np.ascontiguousarray(w.scales, dtype=np.float32), w.row_scales)
+        return PackedTernary(w.blocks(), np.ascontiguousarray(w.scales, dtype=np.float32), w.row_scales,
+                             w.fields_reversed)
 
     def bitlinear(self, x: Any, w: Any, act_quant: str) -> Any:
         check_act_quant(act_quant)
@@ -114,18 +119,18 @@ class CpuProvider(ReferenceProvider):
         x = np.ascontiguousarray(x, dtype=np.float32)
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
-            return tk.bitlinear_block256(x, w.blocks, w.scales)
+            return tk.bitlinear_block256(x, w.blocks, w.scales, w.fields_reversed)
         if w.row_scales is not None:
             self.record("cpu.bitlinear_rowscale_row")
-            return tk.bitlinear_row_rowscale(x, w.blocks, w.row_scales)
+            return tk.bitlinear_row_rowscale(x, w.blocks, w.row_scales, w.fields_reversed)
         self.record("cpu.bitlinear_blockscale_row")
-        return tk.bitlinear_row_blockscale(x, w.blocks, w.scales)
+        return tk.bitlinear_row_blockscale(x, w.blocks, w.scales, w.fields_reversed)
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
         """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time."""
         x = np.asarray(x, dtype=np.float32)
         n, nb = x.shape[0], w.cols // BLOCK
-        a = permute_cols(x)
+        a = permute_cols(x, w.fields_reversed)
         rowwise = w.row_scales is not None
         self.record(f"cpu.bitlinear_{'rowscale' if rowwise else 'blockscale'}_none")
         y = np.empty((n, w.rows), dtype=np.float32)

@@ -22,6 +22,8 @@ one thread at 5 GB/s and two at 9-11 GB/s on 2B-4T shapes; with it they stream a
 
 Weights are read as blocks, uint8 [rows, n_blocks, 64] with any row and block stride, so
 TQ2_0 runs straight from the memory-mapped file (66-byte blocks: the codes, then the scale).
+I2_S (each byte's fields reversed) runs from the file too: its activations are quantized into
+the mirrored byte order (`rev`), so the same dot products apply.
 The numba drivers parallelize over chunks of weight rows (`prange`); in prefill each chunk
 runs every token through its rows, TILE tokens per pass over a row, so weights come from
 memory once per call and activations from cache. Integer sums are exact; the float epilogue
@@ -262,12 +264,13 @@ def _amax(x: np.ndarray) -> np.float32:
 
 
 @njit(cache=_CACHE)
-def _quantize_block(x: np.ndarray, src: int, scale: np.float32, q: np.ndarray, dst: int) -> int:
-    """q[dst:dst+256] = clamp(rint(x[src:src+256] * scale)) in byte order; returns their sum."""
+def _quantize_block(x: np.ndarray, src: int, scale: np.float32, q: np.ndarray, dst: int, rev: bool) -> int:
+    """q[dst:dst+256] = clamp(rint(x[src:src+256] * scale)) in byte order (with rev, the byte order
+    of weights whose fields are reversed: field f holds the columns of field 3 - f); returns their sum."""
     acc = 0
     for f in range(4):
         for g in range(2):
-            i0, o0 = src + 128 * g + 32 * f, dst + 64 * f + 32 * g
+            i0, o0 = src + 128 * g + 32 * (3 - f if rev else f), dst + 64 * f + 32 * g
             for j in range(32):
                 v = (x[i0 + j] * scale + _ROUND) - _ROUND
                 qi = np.int8(min(max(v, np.float32(-128.0)), np.float32(127.0)))
@@ -277,7 +280,7 @@ def _quantize_block(x: np.ndarray, src: int, scale: np.float32, q: np.ndarray, d
 
 
 @njit(cache=_CACHE)
-def quantize_rows(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndarray) -> None:
+def quantize_rows(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndarray, rev: bool) -> None:
     """BitNet per-row int8: s = 127/max|x| (1 for a zero row), q = clamp(rint(x*s)) in byte order,
     qsum[t, b] = sum of block b's q."""
     n, cols = x.shape
@@ -286,11 +289,11 @@ def quantize_rows(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndarray)
         st = np.float32(127.0) / amax if amax > 0 else np.float32(1.0)
         s[t] = st
         for b in range(cols // BLOCK):
-            qsum[t, b] = _quantize_block(x[t], b * BLOCK, st, q[t], b * BLOCK)
+            qsum[t, b] = _quantize_block(x[t], b * BLOCK, st, q[t], b * BLOCK, rev)
 
 
 @njit(cache=_CACHE)
-def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray) -> None:
+def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray, rev: bool) -> None:
     """llama.cpp's Q8_K per 256-block: v the first value of largest magnitude, iscale = -127/v,
     q = clamp(rint(x*iscale)) in byte order, d = 1/iscale; an all-zero block gets q = 0, d = 0."""
     n, cols = x.shape
@@ -311,7 +314,7 @@ def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray) 
             else:
                 iscale = np.float32(-127.0) / v
                 d[t, b] = np.float32(1.0) / iscale
-                qsum[t, b] = _quantize_block(x[t], base, iscale, q[t], base)
+                qsum[t, b] = _quantize_block(x[t], base, iscale, q[t], base, rev)
 
 
 # -- BitLinear drivers ----------------------------------------------------------------------------
@@ -383,36 +386,36 @@ def matmul_blockscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, scales
 # (Decode makes 210 of these calls per token: each Python-side allocation or dispatch saved counts.)
 
 @njit(cache=_CACHE)
-def bitlinear_row_rowscale(x: np.ndarray, codes: np.ndarray, row_scale: np.ndarray) -> np.ndarray:
+def bitlinear_row_rowscale(x: np.ndarray, codes: np.ndarray, row_scale: np.ndarray, rev: bool) -> np.ndarray:
     """"row" quantization, one weight scale per row: y [n, rows]."""
     n, cols = x.shape
     q, s = np.empty((n, cols), np.int8), np.empty(n, np.float32)
     qsum = np.empty((n, cols // BLOCK), np.int32)
-    quantize_rows(x, q, s, qsum)
+    quantize_rows(x, q, s, qsum, rev)
     out = np.empty((n, codes.shape[0]), np.float32)
     matmul_rowscale(codes, q, qsum, s, row_scale, out)
     return out
 
 
 @njit(cache=_CACHE)
-def bitlinear_row_blockscale(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def bitlinear_row_blockscale(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, rev: bool) -> np.ndarray:
     """"row" quantization, a weight scale per 256-block: y [n, rows]."""
     n, cols = x.shape
     q, s = np.empty((n, cols), np.int8), np.empty((n, 1), np.float32)
     qsum = np.empty((n, cols // BLOCK), np.int32)
-    quantize_rows(x, q, s[:, 0], qsum)
+    quantize_rows(x, q, s[:, 0], qsum, rev)
     out = np.empty((n, codes.shape[0]), np.float32)
     matmul_blockscale(codes, q, qsum, scales, s, False, out)
     return out
 
 
 @njit(cache=_CACHE)
-def bitlinear_block256(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def bitlinear_block256(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, rev: bool) -> np.ndarray:
     """"block256" (Q8_K) quantization: y [n, rows]."""
     n, cols = x.shape
     q, d = np.empty((n, cols), np.int8), np.empty((n, cols // BLOCK), np.float32)
     qsum = np.empty((n, cols // BLOCK), np.int32)
-    quantize_q8k(x, q, d, qsum)
+    quantize_q8k(x, q, d, qsum, rev)
     out = np.empty((n, codes.shape[0]), np.float32)
     matmul_blockscale(codes, q, qsum, scales, d, True, out)
     return out
