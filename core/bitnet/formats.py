@@ -7,12 +7,16 @@ known to the gguf package, so it is written here straight from the layout in DES
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Iterator
+
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from .errors import ModelError
-from .ternary import BLOCK, TernaryMatrix, from_values, pack_values
+from .ternary import BLOCK, BYTES_PER_BLOCK, TernaryMatrix, from_values, pack_values
 
 GGML_TQ1_0 = int(GGMLQuantizationType.TQ1_0)  # 34
 GGML_TQ2_0 = int(GGMLQuantizationType.TQ2_0)  # 35
@@ -24,8 +28,8 @@ I2S_BLOCK = 128  # values per I2_S block (32 bytes)
 
 # Bounds the temporaries of TQ1_0's chunked decoding (values per chunk).
 _CHUNK_VALUES = 1 << 22
-# Bytes of codes converted and checked at a time: the temporaries stay in L2.
-_CHUNK_BYTES = 256 << 10
+# Bytes of codes checked at a time: the chunk, its buffer and its mask stay in L2.
+_CHECK_BYTES = 1 << 20
 
 
 def i2s_nbytes(n: int) -> int:
@@ -37,19 +41,35 @@ def i2s_nbytes(n: int) -> int:
 # layout puts the same four values in the same byte at shifts 0,2,4,6, and both map code c to c-1.
 # So I2_S is the canonical layout with the fields of every byte reversed: TernaryMatrix says so
 # (fields_reversed) and the codes stay in the file.
-_ODD_BITS = np.uint64(0x5555555555555555)
 
 
-def _code3_flags(raw: np.ndarray) -> np.ndarray:
-    """Per byte of flat uint8 `raw`: nonzero where a 2-bit field is 0b11 (both bits of a field set)."""
-    if raw.size % 8 == 0:  # eight bytes per operation
-        x = raw.view(np.uint64)
-        return (x & (x >> np.uint64(1)) & _ODD_BITS).view(np.uint8)
-    return raw & (raw >> np.uint8(1)) & np.uint8(0x55)
+@functools.cache
+def _field_mask(period: int, nbytes: int) -> np.ndarray:
+    """0x55 over the first 64 bytes (codes) of each `period`-byte block, 0 over the rest (a scale)."""
+    pattern = np.zeros(period, np.uint8)
+    pattern[:64] = 0x55
+    return np.tile(pattern, nbytes // period)
 
 
-def _has_code3(codes: np.ndarray) -> bool:
-    return bool(np.any(_code3_flags(np.ascontiguousarray(codes).reshape(-1))))
+def _code3_chunks(flat: np.ndarray, period: int) -> Iterator[tuple[int, np.ndarray, bool]]:
+    """(offset, piece, whether a 2-bit code in it is 0b11) over flat uint8 bytes: whole blocks of
+    64 code bytes every `period` bytes (the rest of a block is its scale). Pieces are whole
+    64-bit words that stay in L2, checked in three passes into one reused buffer: 0.54 GB of
+    2B-4T codes in ~0.15 s on one core (a fresh temporary per piece paid page faults)."""
+    unit = period * 8 // math.gcd(period, 8)
+    step = max(unit, _CHECK_BYTES // unit * unit)
+    buf = np.empty(step // 8, np.uint64)
+    for lo in range(0, flat.size, step):
+        chunk = flat[lo:lo + step]
+        mask = _field_mask(period, chunk.size)
+        if chunk.size % 8:
+            yield lo, chunk, bool(np.any(chunk & (chunk >> np.uint8(1)) & mask))
+            continue
+        x, hits = chunk.view(np.uint64), buf[:chunk.size // 8]
+        np.right_shift(x, np.uint64(1), out=hits)
+        hits &= x
+        hits &= mask.view(np.uint64)
+        yield lo, chunk, bool(hits.max())  # max: twice as fast as any() here
 
 
 def _check_shape(kind: str, raw: np.ndarray, rows: int, cols: int, nbytes: int) -> None:
@@ -70,13 +90,14 @@ def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
     nb = cols // BLOCK
     _check_shape("TQ2_0", raw, rows, cols, rows * nb * TQ2_0_BLOCK_BYTES)
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, TQ2_0_BLOCK_BYTES)
-    scales = np.ascontiguousarray(blocks[:, :, 64:]).view(np.float16).reshape(rows, nb).astype(np.float32)
-    _check_scales("TQ2_0", scales)
-    step = 4 * max(1, _CHUNK_BYTES // (4 * nb * TQ2_0_BLOCK_BYTES))  # 4 rows at a time are whole 64-bit words
-    for r in range(0, rows, step):
-        chunk = blocks[r:r + step]
-        if _code3_flags(chunk.reshape(-1)).reshape(chunk.shape)[:, :, :64].any():
+    scales = np.empty(rows * nb, np.float32)
+    for lo, chunk, bad in _code3_chunks(blocks.reshape(-1), TQ2_0_BLOCK_BYTES):
+        if bad:
             raise ModelError("TQ2_0 tensor holds the invalid code 0b11")
+        b = lo // TQ2_0_BLOCK_BYTES  # each block's f16 d, while the chunk is in cache
+        scales[b:b + chunk.size // TQ2_0_BLOCK_BYTES] = chunk.view(np.float16)[32::TQ2_0_BLOCK_BYTES // 2]
+    scales = scales.reshape(rows, nb)
+    _check_scales("TQ2_0", scales)
     return TernaryMatrix(blocks[:, :, :64], scales)
 
 
@@ -110,9 +131,8 @@ def i2s_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
     if not np.isfinite(scale):
         raise ModelError("I2_S tensor has a NaN or infinite scale")
     packed = flat[:n // 4]
-    for lo in range(0, n // 4, _CHUNK_BYTES):  # a multiple of 8 bytes (n // 4 is a multiple of 64)
-        if _has_code3(packed[lo:lo + _CHUNK_BYTES]):
-            raise ModelError("I2_S tensor holds the invalid code 0b11")
+    if any(bad for _, _, bad in _code3_chunks(packed, BYTES_PER_BLOCK)):
+        raise ModelError("I2_S tensor holds the invalid code 0b11")
     scales = np.full((rows, cols // BLOCK), scale, dtype=np.float32)
     return TernaryMatrix(packed.reshape(rows, cols // 4), scales, fields_reversed=True)
 

@@ -21,12 +21,17 @@ if TYPE_CHECKING:
 @dataclass
 class Selection:
     requested: str
-    detected: list[Backend]
+    registry: Registry = field(repr=False)
     backend: Backend | None = None
     device: Device | None = None
     explicit_index: bool = False
     error: str | None = None
-    registry: Registry | None = field(default=None, repr=False)
+
+    @property
+    def detected(self) -> list[Backend]:
+        """Backends with a device, in priority order. Probed when first asked for: a named request
+        needs only its own backends' probes (the OpenCL platform scan alone takes ~0.1 s)."""
+        return self.registry.detected()
 
     @property
     def selected(self) -> str:
@@ -90,12 +95,11 @@ def select(request: str | None = None, registry: Registry | None = None) -> Sele
     registry = registry or Registry()
     requested = request_from_env(request)
     items = parse_request(requested)
-    detected = registry.detected()
-    sel = Selection(requested, detected, registry=registry)
+    sel = Selection(requested, registry)
     problems: list[str] = []
     for token, index in items:
         if token == "auto" or token == "gpu":
-            pool = [b for b in detected if token == "auto" or _gpu_devices(registry, b)]
+            pool = [b for b in sel.detected if token == "auto" or _gpu_devices(registry, b)]
             if not pool:
                 considered = [b for b in registry.backends() if token == "auto" or b.kind == "gpu"]
                 problems.extend(_reason(registry, b) for b in considered)
@@ -122,6 +126,6 @@ def select(request: str | None = None, registry: Registry | None = None) -> Sele
                 continue
             sel.backend, sel.device, sel.explicit_index = backend, devices[index or 0], index is not None
             return sel
-    found = ",".join(b.name for b in detected)
+    found = ",".join(b.name for b in sel.detected)
     sel.error = f"no backend satisfies --device {requested}: found [{found}]; " + "; ".join(problems)
     return sel
