@@ -30,7 +30,7 @@ def _half_to_float(typingctx: Any, bits: Any) -> Any:
 
 
 @intrinsic
-def _prefetch(typingctx: Any, addr: Any) -> Any:
+def prefetch(typingctx: Any, addr: Any) -> Any:
     """A read hint for the cache line at address `addr` (never faults, even past an array's end)."""
     def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
@@ -48,7 +48,7 @@ def _prefetch_row(table: np.ndarray, r: int) -> None:
     """Request every cache line of table row r: the next row, while this one is summed."""
     start = table.ctypes.data + r * table.strides[0]
     for c in range(0, table.shape[1] * table.itemsize, 64):
-        _prefetch(start + c)
+        prefetch(start + c)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
