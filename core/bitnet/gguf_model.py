@@ -159,16 +159,16 @@ class _Reader(GGUFReader):
         buf, end = memoryview(self.data).cast("B"), len(self.data)
         unpack_length = struct.Struct("<Q").unpack_from
         strings = []
-        for _ in range(count):
-            truncated = f"truncated file: string array at byte {orig_offs} runs past the end"
-            try:
-                (n,) = unpack_length(buf, offs)
-            except struct.error:
-                raise ModelError(truncated) from None
-            start, offs = offs + 8, offs + 8 + n
-            if offs > end:
-                raise ModelError(truncated)
-            strings.append(buf[start:offs])
+        append = strings.append
+        try:  # a length past the end makes the next unpack fail, or the final check
+            for _ in range(count):
+                start = offs + 8
+                offs = start + unpack_length(buf, offs)[0]
+                append(buf[start:offs])
+        except struct.error:
+            offs = end + 1
+        if offs > end:
+            raise ModelError(f"truncated file: string array at byte {orig_offs} runs past the end")
         parts = [*head, *strings]
         return offs - orig_offs, parts, list(range(2, len(parts))), [GGUFValueType.ARRAY, item_type]
 
@@ -258,7 +258,10 @@ def _metadata(reader: _Reader) -> dict[str, Any]:
         if name.startswith("GGUF."):
             continue
         try:
-            out[name] = field.contents()
+            if field.types == [GGUFValueType.ARRAY, GGUFValueType.STRING]:  # decode the views, no copies
+                out[name] = [str(field.parts[i], "utf-8") for i in field.data]
+            else:
+                out[name] = field.contents()
         except UnicodeDecodeError:
             raise ModelError(f"metadata {name} is not valid UTF-8") from None
     return out

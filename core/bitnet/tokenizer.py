@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import numbers
 import re
 from collections.abc import Callable, Sequence
@@ -174,8 +175,8 @@ def _array(md: dict[str, Any], key: str, n: int, kind: type) -> list[Any] | None
     values = list(value[:n])
     # Exact types first: GGUF arrays hold plain ints and floats, and an ABC isinstance test
     # costs ~1 us per item (0.12 s for a 128k vocabulary).
-    exact = (int,) if kind is numbers.Integral else (int, float)
-    if all(type(v) in exact for v in values):
+    exact = {int} if kind is numbers.Integral else {int, float}
+    if set(map(type, values)) <= exact:
         return values
     if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
         raise ModelError(f"{_PREFIX}{key} has entries of the wrong type")
@@ -273,14 +274,16 @@ class Tokenizer:
         tokens = md.get(_PREFIX + "tokens")
         if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or len(tokens) == 0:
             raise ModelError("the model has no token list (tokenizer.ggml.tokens)")
-        if not all(isinstance(t, str) for t in tokens):
+        # (Loops over the vocabulary run in C where they can: map(type, ...), dict(zip(...)).)
+        if not set(map(type, tokens)) <= {str} and not all(isinstance(t, str) for t in tokens):
             raise ModelError("tokenizer.ggml.tokens has entries that are not strings")
-        # llama.cpp renames empty tokens so the text -> id map stays one-to-one.
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        tokens = list(tokens)
+        if "" in tokens:  # llama.cpp renames empty tokens so the text -> id map stays one-to-one
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         n = len(tokens)
         scores = _array(md, "scores", n, numbers.Real)
         types = _array(md, "token_type", n, numbers.Integral)
-        attrs = [_ATTR_NORMAL] * n if types is None else [_TYPE_TO_ATTR.get(int(t), 0) for t in types]
+        attrs = [_ATTR_NORMAL] * n if types is None else list(map(_TYPE_TO_ATTR.get, types, itertools.repeat(0)))
 
         merges: list[tuple[str, str]] | None = None
         pre = "default"
@@ -327,7 +330,7 @@ class Tokenizer:
         unk_id = special_id("unknown_token_id", unk)
         eot_id = special_id("eot_token_id", None)
         eom_id = special_id("eom_token_id", None)
-        token_to_id = {t: i for i, t in enumerate(tokens)}  # the last of duplicate texts, as llama.cpp keeps
+        token_to_id = dict(zip(tokens, range(n), strict=True))  # the last of duplicate texts, as llama.cpp keeps
         if eot_id is None:
             eot_id = next((token_to_id[t] for t in _EOT_TEXTS if t in token_to_id), None)
         if eom_id is None:
