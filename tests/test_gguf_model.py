@@ -12,7 +12,7 @@ import pytest
 from gguf import GGUFReader
 
 from bitnet.errors import ModelError
-from bitnet.gguf_model import LayerWeights, Model, _Reader, load_model
+from bitnet.gguf_model import LayerWeights, Model, _finite_rows, _Reader, load_model
 from bitnet.synthetic_vocab import synthetic_tokenizer_metadata
 from bitnet.writer import SyntheticSpec, synthetic_weights, write_model
 
@@ -299,6 +299,8 @@ def test_unknown_hidden_act(tmp_path: Path) -> None:
     ("f16", "blk.1.ffn_up.weight", 10 * 2, np.float16("inf").tobytes(), "blk.1.ffn_up.weight"),
     ("f32", "blk.1.ffn_norm.weight", 7 * 4, struct.pack("<f", float("-inf")), "blk.1.ffn_norm.weight"),
     ("tq2_0", "token_embd.weight", 1000 * 2, np.float16("nan").tobytes(), "token_embd.weight"),
+    ("tq2_0", "token_embd.weight", 5 * 2, np.float16("-inf").tobytes(), "token_embd.weight"),
+    ("tq2_0", "token_embd.weight", 77 * 2, b"\x01\xfe", "token_embd.weight"),  # a negative NaN
     ("tq2_0", "blk.0.ffn_down.weight", 66 * 3 + 64, np.float16("inf").tobytes(), "blk.0.ffn_down.weight"),
     ("tq1_0", "blk.0.attn_q.weight", 52, np.float16("nan").tobytes(), "blk.0.attn_q.weight"),
     ("i2_s", "blk.1.attn_k.weight", 128 * 256 // 4, struct.pack("<f", float("nan")), "blk.1.attn_k.weight"),
@@ -327,3 +329,11 @@ def test_scale_tensor_must_hold_one_value(tmp_path: Path) -> None:
     p = write(tmp_path, scales=True)
     patch(p, tensor_offsets(p, "blk.1.ffn_up.scale")["dims"], struct.pack("<Q", 2))
     bad_load(p, "blk.1.ffn_up.scale", "must be one F32/F16/BF16 value")
+
+
+def test_f16_finite_check_boundaries() -> None:
+    bits = np.array([0x7BFF, 0xFBFF, 0x0000, 0x8000, 0x0001], dtype=np.uint16)  # +-65504, +-0, subnormal
+    _finite_rows("t", bits.view(np.float16).reshape(1, -1))
+    for bad in (0x7C00, 0xFC00, 0x7C01, 0xFFFF):
+        with pytest.raises(ModelError, match="NaN or infinite"):
+            _finite_rows("t", np.append(bits, np.uint16(bad)).view(np.float16).reshape(1, -1))
