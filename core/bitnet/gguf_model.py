@@ -114,7 +114,14 @@ class _Reader(GGUFReader):
         if count < 0 or end > len(self.data):
             raise ModelError(f"truncated file: {count} x {np.dtype(dtype).name} at byte {offset} "
                              f"runs past the end ({len(self.data)} bytes)")
-        return super()._get(offset, dtype, count, override_order)
+        # A plain ndarray view of the map: slicing np.memmap runs Python hooks per view, and a
+        # GGUF header takes thousands of them.
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        arr = plain[int(offset):end].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
 
     def _fits(self, offs: int, count: int, min_size: int, what: str) -> None:
         if int(count) * min_size > len(self.data) - offs:
