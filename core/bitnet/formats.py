@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 from .errors import ModelError
-from .ternary import BLOCK, BYTES_PER_BLOCK, TernaryMatrix, from_values, pack_values
+from .ternary import BLOCK, BYTES_PER_BLOCK, TernaryMatrix, from_values
 
 GGML_TQ1_0 = int(GGMLQuantizationType.TQ1_0)  # 34
 GGML_TQ2_0 = int(GGMLQuantizationType.TQ2_0)  # 35
@@ -101,24 +101,36 @@ def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
     return TernaryMatrix(blocks[:, :, :64], scales)
 
 
+# TQ1_0 stores five base-3 digits per byte, read as ggml does: digit n of byte b is
+# ((b * 3**n mod 256) * 3) >> 8, in {0, 1, 2}, which is the canonical code itself.
+_T = ((((np.arange(256)[:, None] * 3 ** np.arange(5)[None, :]) & 0xFF) * 3) >> 8).astype(np.uint8)
+# ggml's element order: qs[m] digit n is value 32n + m (m < 32) or 160 + 16n + (m - 32) (m < 48);
+# qh[j] digit n is value 240 + 4n + j. So canonical byte j (j < 32) of a block's first half is
+# digits 0-3 of qs[j], and of its second half digit 4 of qs[j] with digits of qs[32 + j % 16]
+# and, for j >= 16, of qh: per-byte tables give each half byte in a few lookups.
+_FIRST_HALF = _T[:, 0] | _T[:, 1] << 2 | _T[:, 2] << 4 | _T[:, 3] << 6
+_DIGIT4 = _T[:, 4]
+_SECOND_LOW = _T[:, 0] << 2 | _T[:, 2] << 4 | _T[:, 4] << 6  # qs[32 + j], j < 16
+_SECOND_HIGH = _T[:, 1] << 2 | _T[:, 3] << 4  # qs[32 + j - 16], j >= 16
+
+
 def tq1_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
-    """TQ1_0 bytes -> TernaryMatrix, decoding the base-3 digits with gguf's reference dequantize."""
+    """TQ1_0 bytes -> TernaryMatrix, each canonical byte assembled from table lookups."""
     nb = cols // BLOCK
     _check_shape("TQ1_0", raw, rows, cols, rows * nb * TQ1_0_BLOCK_BYTES)
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb * TQ1_0_BLOCK_BYTES)
-    scales = np.ascontiguousarray(blocks.reshape(rows, nb, TQ1_0_BLOCK_BYTES)[:, :, 52:])
-    scales = scales.view(np.float16).reshape(rows, nb).astype(np.float32)
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows * nb, TQ1_0_BLOCK_BYTES)
+    scales = blocks.reshape(-1).view(np.float16)[26::TQ1_0_BLOCK_BYTES // 2].astype(np.float32).reshape(rows, nb)
     _check_scales("TQ1_0", scales)
-    codes = np.empty((rows, cols // 4), dtype=np.uint8)
-    step = max(1, _CHUNK_VALUES // cols)
-    for r in range(0, rows, step):
-        v = dequantize(blocks[r:r + step], GGMLQuantizationType.TQ1_0).reshape(-1, nb, BLOCK)
-        d = scales[r:r + step, :, None]
-        # v is d*t computed in float32, so v/d is exactly t wherever d != 0; a zero d makes every value 0.
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = np.where(d != 0, np.rint(v / d), 0).astype(np.int8).reshape(-1, cols)
-        codes[r:r + step] = pack_values(t)
-    return TernaryMatrix(codes, scales)
+    codes = np.empty((rows * nb, 2, 32), dtype=np.uint8)
+    step = max(1, _CHUNK_VALUES // BLOCK)
+    for b in range(0, rows * nb, step):
+        qs, out = blocks[b:b + step], codes[b:b + step]
+        mid, qh = qs[:, 32:48], _T[qs[:, 48:52], :4].transpose(0, 2, 1).reshape(-1, 16)  # qh digit n of j -> 4n + j
+        out[:, 0] = _FIRST_HALF[qs[:, :32]]
+        out[:, 1] = _DIGIT4[qs[:, :32]]
+        out[:, 1, :16] |= _SECOND_LOW[mid]
+        out[:, 1, 16:] |= _SECOND_HIGH[mid] | qh << 6
+    return TernaryMatrix(codes.reshape(rows, cols // 4), scales)
 
 
 def i2s_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
