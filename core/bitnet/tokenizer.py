@@ -46,9 +46,10 @@ import itertools
 import numbers
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from bitnet.errors import ModelError
+from bitnet.special_tokens import SpecialTokens
 
 __all__ = ["Tokenizer"]
 
@@ -192,12 +193,6 @@ def _flag(md: dict[str, Any], key: str, default: bool) -> bool:
     return bool(value)
 
 
-class _SpecialTable(NamedTuple):
-    lengths: dict[str, list[int]]  # first character -> the lengths of special texts starting with it
-    ids: dict[str, list[int]]  # text -> its token ids
-    rank: dict[int, int]  # id -> matching order
-
-
 class Tokenizer:
     """Text <-> token ids for a GGUF model, giving the ids llama.cpp gives.
 
@@ -251,7 +246,7 @@ class Tokenizer:
         self._eog_ids = eog_ids
         # Later duplicates win, as in llama.cpp's token_to_id map.
         self._token_to_id = token_to_id if token_to_id is not None else {t: i for i, t in enumerate(tokens)}
-        self._special_tables: dict[bool, _SpecialTable] = {}  # built on first use, see _specials
+        self._special_tables: dict[bool, SpecialTokens] = {}  # built on first use, see _specials
         self._pieces: list[bytes] | None = None
         self._hf: Any = None
         if model == "gpt2":
@@ -407,7 +402,7 @@ class Tokenizer:
         if add_bos and self.add_bos:
             assert self.bos_id is not None
             out.append(self.bos_id)
-        fragments = self._partition(text, special)
+        fragments = self._specials(special).partition(text)
         if self.model == "llama":
             prev_special = True  # llama.cpp prefixes a space at the start and after a special token
             for frag in fragments:
@@ -429,73 +424,16 @@ class Tokenizer:
             out.append(self.eos_id)
         return out
 
-    def _partition(self, text: str, special: bool) -> list[str | int]:
-        """Split special-token texts out of ``text`` (llama.cpp's tokenizer_st_partition).
-
-        As in llama.cpp, special tokens are taken longest first, each one splitting every
-        text fragment left by the previous ones; control (and unknown) tokens only when
-        ``special`` is true, user-defined tokens always.
-        """
-        if not text:
-            return []
-        frags: list[str | int] = [text]
-        for tid in self._specials_in(text, special):
-            needle = self.tokens[tid]
-            new: list[str | int] = []
-            for f in frags:
-                if isinstance(f, int) or needle not in f:
-                    new.append(f)
-                    continue
-                parts = f.split(needle)
-                for k, part in enumerate(parts):
-                    if k:
-                        new.append(tid)
-                    if part:
-                        new.append(part)
-            frags = new
-        return frags
-
-    def _specials(self, special: bool) -> _SpecialTable:
-        """The tokens `_partition` looks for: user-defined ones, and with ``special`` also control
-        and unknown ones. Built on first use: a padded vocabulary can have 100k+ control tokens
-        that a plain encode never looks for."""
+    def _specials(self, special: bool) -> SpecialTokens:
+        """What an encode splits out: user-defined tokens, with ``special`` also control and
+        unknown ones. Built on first use: a padded vocabulary can have 100k+ control tokens that a
+        plain encode never looks for."""
         table = self._special_tables.get(special)
-        if table is not None:
-            return table
-        mask = _ATTR_USER_DEFINED | (_ATTR_CONTROL | _ATTR_UNKNOWN if special else 0)
-        # llama.cpp's cache_special_tokens: longest text first, so "<|eot_id|>" is split out
-        # before any shorter special token it contains (a stable sort: a subset keeps its order).
-        tokens = self.tokens
-        order = sorted((i for i, a in enumerate(self.attrs) if a & mask), key=lambda i: -len(tokens[i].encode()))
-        # first character -> lengths: find which special texts occur without trying all of them.
-        ids: dict[str, list[int]] = {}
-        for tid in order:
-            same = ids.get(tokens[tid])
-            if same is None:
-                ids[tokens[tid]] = [tid]
-            else:
-                same.append(tid)
-        first: dict[str, set[int]] = {}
-        for text in ids:
-            lengths = first.get(text[0])
-            if lengths is None:
-                first[text[0]] = lengths = set()
-            lengths.add(len(text))
-        table = _SpecialTable({c: sorted(n) for c, n in first.items()}, ids, {t: r for r, t in enumerate(order)})
-        self._special_tables[special] = table
+        if table is None:
+            mask = _ATTR_USER_DEFINED | (_ATTR_CONTROL | _ATTR_UNKNOWN if special else 0)
+            table = SpecialTokens(self.tokens, (i for i, a in enumerate(self.attrs) if a & mask))
+            self._special_tables[special] = table
         return table
-
-    def _specials_in(self, text: str, special: bool) -> list[int]:
-        """The special tokens whose text occurs in ``text``, in llama.cpp's matching order.
-
-        A fragment is a substring of the text, so no other special token can match.
-        """
-        table = self._specials(special)
-        found: set[int] = set()
-        for pos, c in enumerate(text):
-            for n in table.lengths.get(c, ()):
-                found.update(table.ids.get(text[pos : pos + n], ()))
-        return sorted(found, key=table.rank.__getitem__)
 
     def _spm_tokenize(self, text: str, out: list[int]) -> None:
         """llama.cpp's llm_tokenizer_spm_session::tokenize on one fragment.
