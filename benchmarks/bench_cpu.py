@@ -11,7 +11,7 @@ first-run JIT cost (empty numba cache) is measured once.
     python benchmarks/bench_cpu.py --model /tmp/m-i2_s.gguf --llama-model /tmp/m-tq2_0.gguf
 
 llama.cpp cannot read I2_S: give its TQ2_0 twin (same shapes) as --llama-model.
-Models: `python -m bitnet.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0`.
+Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0`.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _timed(f: Any, *args: Any) -> float:
 
 def decode_bytes(model: str) -> int:
     """Bytes one decode step reads: every projection tensor and the LM head."""
-    from bitnet.gguf_model import _open  # gguf's own reader rejects I2_S (ggml type 36)
+    from bitnet.modelfile.model import _open  # gguf's own reader rejects I2_S (ggml type 36)
 
     r = _open(model)
     names = {t.name for t in r.tensors}

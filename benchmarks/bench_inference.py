@@ -149,7 +149,7 @@ class Row:
 
 def model_path(args: argparse.Namespace, weight_type: str) -> Path:
     """Write the benchmark model of this weight type into the cache unless it is there already."""
-    from bitnet.writer import PRESETS, write_model
+    from bitnet.modelfile.writer import PRESETS, write_model
 
     spec = dataclasses.replace(PRESETS[args.preset], arch="bitnet", weight_type=weight_type, embd_type="f16",
                                tokenizer="gpt2", seed=args.seed)
@@ -228,7 +228,7 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bitnet.writer import PRESETS
+    from bitnet.modelfile.writer import PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI bench step (issue 6). 1) A short bench on the CPU and OpenCL backends with the determinism
 # gate; each backend's receipt must verify as a real run. 2) The gates are seen failing on broken
-# input in this same run (DESIGN.md section 7). 3) The GPU receipt step: "skipped (no CUDA)" and
+# input in this same run (docs/design.md section 7). 3) The GPU receipt step: "skipped (no CUDA)" and
 # success when no CUDA device is present, else a CUDA bench whose receipt must show GPU kernels.
 # Output goes to $BITNET_CI_OUT (default: a temporary directory). Python: $PYTHON, else .venv's.
 set -euo pipefail

@@ -1,6 +1,6 @@
-"""An independent float64 forward pass written straight from DESIGN.md section 4, plus random models.
+"""An independent float64 forward pass written straight from docs/design.md section 4, plus random models.
 
-It shares no code with bitnet.model or the providers: weights come from
+It shares no code with bitnet.runtime.transformer or the providers: weights come from
 TernaryMatrix.dequantize(), attention is recomputed over the whole sequence (no cache), and
 activation quantization is simulated as q / s. Tests compare the engine against it.
 """
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from bitnet.ternary import TernaryMatrix, from_values
+from bitnet.modelfile.ternary import TernaryMatrix, from_values
 
 
 @dataclass

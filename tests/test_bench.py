@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bitnet import bench
+from bitnet.tools import bench
 from conftest import cli_env, run_cli
 
 # Short runs: one short prompt, few tokens (the gates' logic does not need long ones).

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bitnet.backends import Backend, Device, ProbeResult
-from bitnet.reference import ReferenceProvider
+from bitnet.plugins.types import Backend, Device, ProbeResult
+from bitnet.runtime.reference import ReferenceProvider
 from bitnet.testing import check_probe, check_provider
 from bitnet.testing.suite import *  # noqa: F403 (the kit's tests, parametrized below)
 

@@ -11,9 +11,9 @@ import numba
 import numpy as np
 import pytest
 
-from bitnet import reference as ref_mod
-from bitnet.reference import ReferenceProvider
-from bitnet.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
+from bitnet.runtime import reference as ref_mod
+from bitnet.runtime.reference import ReferenceProvider
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet_cpu import ternary_kernels as tk
 from bitnet_cpu.provider import CpuProvider
 
@@ -234,8 +234,8 @@ def test_thread_count_applies_in_any_calling_thread() -> None:
 
 _ISA_CHECK = textwrap.dedent("""
     import numpy as np
-    from bitnet.reference import ReferenceProvider
-    from bitnet.ternary import from_values
+    from bitnet.runtime.reference import ReferenceProvider
+    from bitnet.modelfile.ternary import from_values
     from bitnet_cpu import ternary_kernels as tk
     from bitnet_cpu.provider import CpuProvider
     assert tk.ISA == "{isa}", tk.ISA

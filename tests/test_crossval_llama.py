@@ -1,7 +1,7 @@
 """Cross-validation against llama.cpp (llama-cpp-python): the oracle for the `bitnet` architecture.
 
 Synthetic `bitnet` models from our writer are run by our engine and by llama.cpp (KV cache F32,
-flash attention off, DESIGN.md section 5b), and compared per position: the error of a position is
+flash attention off, docs/design.md section 5b), and compared per position: the error of a position is
 max|ours - llama| / max|llama| over its logits. What agreement to expect, measured on these models:
 
 - Float weights in mode "none" (no activation quantization on either side): the two compute the
@@ -22,7 +22,7 @@ max|ours - llama| / max|llama| over its logits. What agreement to expect, measur
   moves every position (row mode, one flipped weight: 0 % within 1e-3), so the fraction of tight
   positions is what catches it; the float tests above pin down attention, RoPE, norms, the KV
   cache and weight decoding at every position of prompts up to 200 tokens.
-- Default mode "row" (BitNet b1.58 per-row int8) against llama.cpp's Q8_K: DESIGN.md 5b's rule
+- Default mode "row" (BitNet b1.58 per-row int8) against llama.cpp's Q8_K: docs/design.md 5b's rule
   (RULE_ROW). It holds for these 2-layer dim-256 models; at dim 512 x 3 layers the difference
   already reaches 5-7 % of the largest logit, so the rule is only checked where it was measured.
 
@@ -49,7 +49,7 @@ llama_cpp = pytest.importorskip(
                         "pip install llama-cpp-python")
 
 import bitnet  # noqa: E402
-from bitnet.writer import SyntheticSpec, synthetic_weights, write_model  # noqa: E402
+from bitnet.modelfile.writer import SyntheticSpec, synthetic_weights, write_model  # noqa: E402
 
 pytestmark = pytest.mark.llama
 
@@ -224,8 +224,8 @@ RULE_FLOAT_F16 = Rule("float, F16 LM head", tight=1e-3, min_fraction=1.0, worst=
 RULE_Q8K = Rule("block256 vs Q8_K", tight=1e-3, min_fraction=0.5, worst=0.05, margin=0.03)
 # Long prompts accumulate flips (23-100 % tight per prompt): only the worst case and the arg-max.
 RULE_Q8K_LONG = dataclasses.replace(RULE_Q8K, name="block256 vs Q8_K, long prompts", min_fraction=0.0)
-# DESIGN.md 5b for the default mode "row".
-RULE_ROW = Rule("row vs Q8_K (DESIGN 5b)", tight=0.05, min_fraction=0.98, worst=0.5, margin=0.05)
+# docs/design.md 5b for the default mode "row".
+RULE_ROW = Rule("row vs Q8_K (design 5b)", tight=0.05, min_fraction=0.98, worst=0.5, margin=0.05)
 
 
 def float_rule(spec: SyntheticSpec) -> Rule:
@@ -394,7 +394,7 @@ def flip_one_weight(src: Path, dst: Path, tensor: str) -> None:
         i = int(np.flatnonzero(w)[0])
         w[i] = -w[i]
     elif info.tensor_type == GGMLQuantizationType.TQ2_0:
-        # 2-bit codes 0 and 2 are -1 and +1 (DESIGN.md 5); bytes 0..63 of block 0 hold its 256 codes.
+        # 2-bit codes 0 and 2 are -1 and +1 (docs/design.md 5); bytes 0..63 of block 0 hold its 256 codes.
         byte, shift = next((b, s) for b in range(64) for s in (0, 2, 4, 6) if (data[b] >> s) & 3 != 1)
         data[byte] ^= np.uint8(2 << shift)  # code 0 <-> 2
     else:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from bitnet import kernels_src
+from bitnet import gpu as kernels_src
 from bitnet_cuda import nvcc_options
 
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if Path(p).exists()), None)

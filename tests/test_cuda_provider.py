@@ -17,11 +17,11 @@ import fake_pycuda
 import numpy as np
 import pytest
 
-from bitnet import kernels_src
-from bitnet.backends import Device
+from bitnet import gpu as kernels_src
+from bitnet.plugins.types import Device
 from bitnet.errors import NoBackendError, UsageError
-from bitnet.reference import ReferenceProvider
-from bitnet.ternary import from_values
+from bitnet.runtime.reference import ReferenceProvider
+from bitnet.modelfile.ternary import from_values
 
 
 def signatures() -> dict[str, str]:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from float_reference import forward
 
-from bitnet.engine import Engine, StopFilter
+from bitnet.runtime.engine import Engine, StopFilter
 from bitnet.errors import NoBackendError, UsageError
 
 PROMPT = "The quick brown fox"
@@ -151,8 +151,8 @@ def test_fake_device_cannot_run(cpu_env: None, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_default_model_is_written_once_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bitnet import default_model
-    from bitnet.gguf_model import load_model
+    from bitnet.modelfile import default_model
+    from bitnet.modelfile.model import load_model
 
     monkeypatch.setenv("BITNET_CACHE_DIR", str(tmp_path))
     with ThreadPoolExecutor(3) as pool:

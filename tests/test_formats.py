@@ -1,4 +1,4 @@
-"""Weight formats against hand-built vectors from DESIGN.md section 5 and gguf's reference code."""
+"""Weight formats against hand-built vectors from docs/design.md section 5 and gguf's reference code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from bitnet.errors import ModelError
-from bitnet.formats import (
+from bitnet.modelfile.formats import (
     bf16_to_float32,
     float32_to_bf16,
     float_to_ternary,
@@ -22,7 +22,7 @@ from bitnet.formats import (
     tq1_0_to_ternary,
     tq2_0_to_ternary,
 )
-from bitnet.ternary import pack_values
+from bitnet.modelfile.ternary import pack_values
 
 ZERO_BYTE = 0b01010101  # four codes 0b01 (value 0), in either layout
 
@@ -32,7 +32,7 @@ def random_ternary(rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def i2s_position(k: int) -> tuple[int, int]:
-    """(byte, bit shift) of value k in an I2_S tensor, written out from the DESIGN.md text:
+    """(byte, bit shift) of value k in an I2_S tensor, written out from the docs/design.md text:
     blocks of 128 values in 32 bytes; byte g of a block holds values g, g+32, g+64, g+96 at
     bit shifts 6, 4, 2, 0."""
     block, within = divmod(k, 128)

@@ -11,7 +11,7 @@ Agreement rule (the integer parts of BitLinear are exact on both backends; float
   every later position, whose activations then quantize differently in many places, so after it the
   backends differ by the quantization noise itself, 1-3 % of the largest logit, at every later
   position (measured: all 128 positions of a prompt beyond 5e-3 once a flip fell in its first tokens).
-  Hence two rules, both citing DESIGN.md section 5b:
+  Hence two rules, both citing docs/design.md section 5b:
   * isolated positions (one-token prompts, where a flip cannot propagate): the rule the brief gives,
     at least 98 % of positions within 5e-3 and all within 0.05 (pooled over every model and mode);
   * whole sequences: section 5b's rule for two correct implementations that round differently,
@@ -35,8 +35,8 @@ import pytest
 
 import bitnet
 from bitnet.errors import NoBackendError
-from bitnet.ternary import from_values
-from bitnet.writer import SyntheticSpec, write_model
+from bitnet.modelfile.ternary import from_values
+from bitnet.modelfile.writer import SyntheticSpec, write_model
 from conftest import cli_env, run_cli
 
 cl = pytest.importorskip("pyopencl")

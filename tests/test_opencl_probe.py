@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bitnet.writer import SyntheticSpec, write_model
+from bitnet.modelfile.writer import SyntheticSpec, write_model
 from conftest import cli_env, run_cli
 
 cl = pytest.importorskip("pyopencl")

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from bitnet import receipts
-from bitnet.engine import Engine
+from bitnet.tools import receipts
+from bitnet.runtime.engine import Engine
 from bitnet.errors import BitnetError, GateError, NoBackendError
-from bitnet.kernels import KernelProvider
+from bitnet.runtime.provider import KernelProvider
 from bitnet_cpu.provider import CpuProvider
 from conftest import BITNET_ENV, cli_env, run_cli
 
@@ -152,7 +152,7 @@ class SilentRopeProvider(CpuProvider):
 
 
 def engine_with(provider: KernelProvider, like: Engine) -> Engine:
-    from bitnet.model import Transformer
+    from bitnet.runtime.transformer import Transformer
 
     transformer = Transformer(like.model, provider, like.n_ctx, "row")
     return Engine(like.selection, provider, like.model, like.tokenizer, transformer, like.load_ms)

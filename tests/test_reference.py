@@ -1,4 +1,4 @@
-"""The reference provider against formulas written from DESIGN.md, and the CPU provider against it."""
+"""The reference provider against formulas written from docs/design.md, and the CPU provider against it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from bitnet.errors import UsageError
-from bitnet.reference import ReferenceProvider
-from bitnet.ternary import TernaryMatrix, from_values
+from bitnet.runtime.reference import ReferenceProvider
+from bitnet.modelfile.ternary import TernaryMatrix, from_values
 from bitnet_cpu.provider import CpuProvider
 
 MODES = ("row", "block256", "none")
@@ -23,7 +23,7 @@ def ternary(rng: np.random.Generator, rows: int, cols: int, scales: str) -> Tern
 
 
 def bitlinear_spec(x: np.ndarray, w: TernaryMatrix, act_quant: str) -> np.ndarray:
-    """DESIGN.md section 4 / 5b, one row and one block at a time, float64 after quantizing."""
+    """docs/design.md section 4 / 5b, one row and one block at a time, float64 after quantizing."""
     t, d_w = w.values().astype(np.int64), w.scales.astype(np.float64)
     out = np.zeros((x.shape[0], w.rows))
     for i, row in enumerate(x.astype(np.float32)):

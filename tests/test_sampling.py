@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from bitnet.errors import UsageError
-from bitnet.reference import ReferenceProvider
-from bitnet.sampling import Sampler, probabilities
+from bitnet.runtime.reference import ReferenceProvider
+from bitnet.runtime.sampling import Sampler, probabilities
 
 LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 3.0 - 1e-3, 0.0], np.float32)
 

@@ -7,10 +7,10 @@ import types
 import pytest
 
 from bitnet import hookimpl
-from bitnet.backends import Backend, Device, ProbeResult
+from bitnet.plugins.types import Backend, Device, ProbeResult
 from bitnet.errors import NoBackendError, PluginError, UsageError
-from bitnet.registry import Registry
-from bitnet.selection import parse_request, select
+from bitnet.plugins.registry import Registry
+from bitnet.plugins.selection import parse_request, select
 
 
 def backend(name: str, kind: str, priority: int, n_devices: int = 1, aliases=(), reason="not here",

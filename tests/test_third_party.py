@@ -74,7 +74,7 @@ def test_plugin_that_fails_to_import_is_isolated_and_reported(tmp_path):
 def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path):
     env = fake_distribution(tmp_path, "bitnet-impostor", "0.1", "impostor", """
         import bitnet
-        from bitnet.backends import Backend, ProbeResult
+        from bitnet.plugins.types import Backend, ProbeResult
 
         @bitnet.hookimpl
         def bitnet_backends():
@@ -88,7 +88,7 @@ def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path):
 def test_probe_raising_in_a_real_plugin_is_isolated(tmp_path):
     env = fake_distribution(tmp_path, "bitnet-flaky", "0.3", "flaky", """
         import bitnet
-        from bitnet.backends import Backend
+        from bitnet.plugins.types import Backend
 
         def probe():
             raise OSError("driver exploded")

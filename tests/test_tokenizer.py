@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from bitnet.errors import ModelError
-from bitnet.synthetic_vocab import synthetic_tokenizer_metadata
-from bitnet.tokenizer import Tokenizer
+from bitnet.text.synthetic_vocab import synthetic_tokenizer_metadata
+from bitnet.text.tokenizer import Tokenizer
 
 KINDS = ("gpt2", "llama")
 
@@ -349,8 +349,8 @@ STRESS_EXTRA_WORDS = ["\u0120combining", "\u0120ideographic", "\u0120replacement
 
 @functools.cache
 def _stress_metadata_cached(kind: str) -> dict[str, Any]:
-    from bitnet import synthetic_vocab as T
-    from bitnet.tokenizer import _bytes_to_unicode
+    from bitnet.text import synthetic_vocab as T
+    from bitnet.text.tokenizer import _bytes_to_unicode
 
     md = synthetic_tokenizer_metadata(kind, 1000)
     tokens, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]

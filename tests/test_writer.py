@@ -10,9 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from bitnet.formats import ternary_to_i2s
-from bitnet.gguf_model import _Reader, load_model
-from bitnet.writer import PRESETS, SyntheticSpec, _plan, _tensor_bytes, main, synthetic_weights, write_model
+from bitnet.modelfile.formats import ternary_to_i2s
+from bitnet.modelfile.model import _Reader, load_model
+from bitnet.modelfile.writer import PRESETS, SyntheticSpec, _plan, _tensor_bytes, main, synthetic_weights, write_model
 
 
 def digest(path: Path) -> str:

@@ -15,12 +15,12 @@ __version__ = "0.1.0"
 hookimpl = pluggy.HookimplMarker("bitnet")
 
 _LAZY = {
-    "load": "engine",
-    "Backend": "backends",
-    "Device": "backends",
-    "ProbeResult": "backends",
-    "KernelProvider": "kernels",
-    "select": "selection",
+    "load": "runtime.engine",
+    "Backend": "plugins.types",
+    "Device": "plugins.types",
+    "ProbeResult": "plugins.types",
+    "KernelProvider": "runtime.provider",
+    "select": "plugins.selection",
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 
 import click
 
-from . import __version__
+from bitnet import __version__
 from .errors import BitnetError, UsageError
 
 EXIT_CODES = """Exit codes: 0 success, 1 internal error, 2 usage error, 3 no backend satisfies the
@@ -39,7 +39,7 @@ class Group(click.Group):
 
 
 def _registry(ctx: click.Context):
-    from .registry import Registry
+    from bitnet.plugins.registry import Registry
 
     if "registry" not in ctx.obj:
         ctx.obj["registry"] = Registry()
@@ -67,7 +67,7 @@ def main(ctx: click.Context, device: str | None, threads: int | None, debug: boo
         # The environment is the one channel every backend (and its thread pools) reads.
         os.environ["BITNET_NUM_THREADS"] = str(threads)
     if ctx.invoked_subcommand is None:
-        from .selection import select
+        from bitnet.plugins.selection import select
 
         sel = select(device, _registry(ctx))
         click.echo(sel.summary)
@@ -155,7 +155,7 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
         prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise UsageError("the prompt is not valid UTF-8") from None
-    from .engine import load
+    from bitnet.runtime.engine import load
     from .errors import NoBackendError
 
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -178,7 +178,7 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
             sys.stdout.flush()
         sys.stdout.write("\n")
         if receipt:
-            from . import receipts
+            from bitnet.tools import receipts
 
             receipts.write(receipt, receipts.build(engine, "".join(pieces), sampling))
         s = engine.stats
@@ -193,7 +193,7 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
 
 def _write_fake_receipt(path: str, request: str | None, reason: str, sampling: dict[str, Any], act_quant: str,
                         n_ctx: int | None) -> None:
-    from . import receipts
+    from bitnet.tools import receipts
 
     fake = receipts.fake_run_receipt(request, reason, sampling, {"act_quant": act_quant, "n_ctx": n_ctx})
     if fake is not None:
@@ -240,7 +240,7 @@ def receipt() -> None:
 def receipt_verify(ctx: click.Context, path: str, require_backend: str | None, require_gpu_kernels: bool,
                    require_real: bool, max_fallbacks: int | None) -> None:
     """Check a receipt against the schema and the requirements: exit 5 listing every failed check."""
-    from . import receipts
+    from bitnet.tools import receipts
 
     data = receipts.read(path)
     problems = receipts.verify(data, require_backend=require_backend, require_gpu_kernels=require_gpu_kernels,
@@ -295,8 +295,8 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
           max_wall_ms: float | None, require: tuple[str, ...], out: str | None,
           receipts_dir: str | None) -> None:
     """Measure fixed prompts on each backend: a table on stdout; gates exit 5, a missing --require 3."""
-    from . import bench as harness
-    from .sampling import check_params
+    from bitnet.tools import bench as harness
+    from bitnet.runtime.sampling import check_params
 
     check_params(temperature, top_k, top_p)
     config = harness.BenchConfig(

@@ -1,4 +1,4 @@
-"""Errors that carry the CLI exit code of DESIGN.md section 3."""
+"""Errors that carry the CLI exit code of docs/design.md section 3."""
 
 
 class BitnetError(Exception):

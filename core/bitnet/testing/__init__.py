@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import Backend, Device, ProbeResult
-from ..kernels import KernelProvider
-from ..registry import Registry
-from ..selection import select
-from ..ternary import from_values
+from bitnet.plugins.types import Backend, Device, ProbeResult
+from bitnet.runtime.provider import KernelProvider
+from bitnet.plugins.registry import Registry
+from bitnet.plugins.selection import select
+from bitnet.modelfile.ternary import from_values
 
 NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 
@@ -78,7 +78,7 @@ def _random_case(rng: np.random.Generator, n: int, rows: int, cols: int) -> tupl
 
 def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) -> None:
     """Every kernel against the NumPy reference on random inputs, within rtol of the largest value."""
-    from ..reference import ReferenceProvider
+    from bitnet.runtime.reference import ReferenceProvider
 
     ref = ReferenceProvider()
     rng = np.random.default_rng(seed)

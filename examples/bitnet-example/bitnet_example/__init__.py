@@ -7,7 +7,7 @@ own kernels (see docs/writing-a-backend.md).
 from __future__ import annotations
 
 import bitnet
-from bitnet.backends import Backend, Device, ProbeResult
+from bitnet.plugins.types import Backend, Device, ProbeResult
 
 
 def probe() -> ProbeResult:
@@ -15,7 +15,7 @@ def probe() -> ProbeResult:
 
 
 def open_device(device: Device):
-    from bitnet.reference import ReferenceProvider
+    from bitnet.runtime.reference import ReferenceProvider
 
     return ReferenceProvider(backend="example", device=device)
 

@@ -6,7 +6,7 @@ import os
 import platform
 
 from bitnet import hookimpl
-from bitnet.backends import PRIORITY_CPU, Backend, Device, ProbeResult, host_cpu_name
+from bitnet.plugins.types import PRIORITY_CPU, Backend, Device, ProbeResult, host_cpu_name
 
 __version__ = "0.1.0"
 

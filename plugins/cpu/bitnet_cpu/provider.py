@@ -19,9 +19,9 @@ import numba
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.kernels import ACTIVATIONS
-from bitnet.reference import ReferenceProvider, check_act_quant, store_kv
-from bitnet.ternary import BLOCK, TernaryMatrix
+from bitnet.runtime.provider import ACTIVATIONS
+from bitnet.runtime.reference import ReferenceProvider, check_act_quant, store_kv
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
 
 from . import float_kernels as fk
 from . import ternary_kernels as tk
@@ -46,7 +46,7 @@ class PackedTernary:
     blocks: np.ndarray  # uint8 [rows, cols // 256, 64], possibly a strided view into the model file
     scales: np.ndarray  # float32 [rows, cols // 256]
     row_scales: np.ndarray | None  # float32 [rows] when every block of a row shares its scale
-    fields_reversed: bool  # I2_S byte order (see bitnet.ternary)
+    fields_reversed: bool  # I2_S byte order (see bitnet.modelfile.ternary)
 
     @property
     def rows(self) -> int:

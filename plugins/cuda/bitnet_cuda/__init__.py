@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bitnet import hookimpl
-from bitnet.backends import PRIORITY_CUDA, Backend, Device
+from bitnet.plugins.types import PRIORITY_CUDA, Backend, Device
 
 __version__ = "0.1.0"
 

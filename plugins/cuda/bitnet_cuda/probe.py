@@ -6,7 +6,7 @@ import ctypes
 import os
 from typing import Any
 
-from bitnet.backends import Device, ProbeResult
+from bitnet.plugins.types import Device, ProbeResult
 
 # What cuInit returns where no usable driver or device exists, by the description pycuda's error
 # carries (cuGetErrorString's text): used when the driver itself cannot be asked for the code.

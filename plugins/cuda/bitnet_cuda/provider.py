@@ -27,12 +27,12 @@ import numpy as np
 import pycuda.driver as drv
 from pycuda.compiler import SourceModule
 
-from bitnet import kernels_src
-from bitnet.backends import Device
+from bitnet import gpu as kernels_src
+from bitnet.plugins.types import Device
 from bitnet.errors import NoBackendError, UsageError
-from bitnet.kernels import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
-from bitnet.kernels_src.host import KVCache, Tensor, TernaryWeight, groups, pow2_floor
-from bitnet.ternary import BLOCK, TernaryMatrix
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.gpu.host import KVCache, Tensor, TernaryWeight, groups, pow2_floor
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
 
 from . import MAX_LOCAL, TILE_N, nvcc_options
 

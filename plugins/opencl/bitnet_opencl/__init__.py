@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bitnet import hookimpl
-from bitnet.backends import PRIORITY_OPENCL, Backend, Device
+from bitnet.plugins.types import PRIORITY_OPENCL, Backend, Device
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from bitnet.backends import Device, ProbeResult
+from bitnet.plugins.types import Device, ProbeResult
 
 
 def _props(dev: Any, platform: Any) -> dict[str, Any]:

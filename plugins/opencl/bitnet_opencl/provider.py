@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pyopencl as cl
 
-from bitnet import kernels_src
-from bitnet.backends import Device
+from bitnet import gpu as kernels_src
+from bitnet.plugins.types import Device
 from bitnet.errors import NoBackendError, UsageError
-from bitnet.kernels import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
-from bitnet.kernels_src.host import KVCache, Tensor, TernaryWeight, groups, pow2_floor
-from bitnet.ternary import BLOCK, TernaryMatrix
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.gpu.host import KVCache, Tensor, TernaryWeight, groups, pow2_floor
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
 
 TILE_N = 8  # tokens per matmul work-group (the kernel source's TILE_N): weights read once per tile
 # Cap on work-group size: static local arrays are sized by it at build time, and the reductions
@@ -69,7 +69,7 @@ def program_cache_dir(dev: cl.Device) -> Path | None:
         return base / "pocl" / "kcache"
     if driver_caches_builds(dev):
         return None
-    from bitnet.default_model import cache_dir
+    from bitnet.modelfile.default_model import cache_dir
 
     return cache_dir() / "opencl-programs"
 

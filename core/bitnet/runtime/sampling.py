@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UsageError
-from .kernels import KernelProvider
+from bitnet.errors import UsageError
+from bitnet.runtime.provider import KernelProvider
 
 
 def check_params(temperature: float, top_k: int, top_p: float) -> None:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .kernels import KernelProvider
+    from bitnet.runtime.provider import KernelProvider
 
 PRIORITY_CPU = 10
 PRIORITY_OPENCL = 50

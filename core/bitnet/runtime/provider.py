@@ -1,6 +1,6 @@
 """The kernel-provider interface: what a backend implements so core's transformer runs on it.
 
-The transformer (bitnet.model) is written once against this class. Handles returned by a
+The transformer (bitnet.runtime.transformer) is written once against this class. Handles returned by a
 provider are opaque to core: a NumPy array for the CPU, a device buffer for a GPU. Weights
 are uploaded once at load; activations stay as handles between operations; only `to_host`
 and `argmax` bring data back, and each of them waits for exactly the work it reads.
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .ternary import TernaryMatrix
+from bitnet.modelfile.ternary import TernaryMatrix
 
 ACT_QUANT_MODES = ("row", "block256", "none")
 ACTIVATIONS = ("silu", "relu2")
@@ -85,7 +85,7 @@ class KernelProvider(ABC):
         ("row"); an all-zero block contributes 0 ("block256"; llama.cpp stores d = 0). v is the
         first value of largest magnitude. A block's integer sum fits 16 bits and a row's 24 bits
         (cols < 2**17), so float32 accumulation of them is exact. The oracle is
-        bitnet.reference.ReferenceProvider.
+        bitnet.runtime.reference.ReferenceProvider.
         """
 
     @abstractmethod

@@ -6,9 +6,9 @@ kernel, so a receipt can only list what ran. The JSON Schema (receipt.schema.jso
 with the package) fixes the shape; `verify` adds the checks a schema cannot express.
 
     text = "".join(engine.generate(prompt, max_tokens=32, seed=1))
-    receipt = bitnet.receipts.build(engine, text, {"max_tokens": 32, "seed": 1})
-    bitnet.receipts.write("receipt.json", receipt)
-    assert not bitnet.receipts.verify(receipt, require_real=True)
+    receipt = bitnet.tools.receipts.build(engine, text, {"max_tokens": 32, "seed": 1})
+    bitnet.tools.receipts.write("receipt.json", receipt)
+    assert not bitnet.tools.receipts.verify(receipt, require_real=True)
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .backends import host_cpu_name
-from .errors import BitnetError, GateError, UsageError
+from bitnet import __version__
+from bitnet.plugins.types import host_cpu_name
+from bitnet.errors import BitnetError, GateError, UsageError
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .kernels import KernelProvider
-    from .selection import Selection
+    from bitnet.runtime.engine import Engine
+    from bitnet.runtime.provider import KernelProvider
+    from bitnet.plugins.selection import Selection
 
 SCHEMA_VERSION = 1
 # engine.generate's defaults: what a run used for any setting the caller does not pass.
@@ -108,7 +108,7 @@ def fake_run_receipt(request: str | None, reason: str, sampling: Mapping[str, An
 
     Called after a load failed with NoBackendError, so the cost of selecting again is paid
     only on that path."""
-    from .selection import select
+    from bitnet.plugins.selection import select
 
     sel = select(request)
     if sel.device is None or not sel.device.fake:

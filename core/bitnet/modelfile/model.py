@@ -1,4 +1,4 @@
-"""Load a BitNet b1.58 GGUF file (DESIGN.md section 4): validated, memory-mapped, weights kept packed.
+"""Load a BitNet b1.58 GGUF file (docs/design.md section 4): validated, memory-mapped, weights kept packed.
 
 Every problem with the file becomes one ModelError("<path>: <what>"). The whole file is
 checked (header, tensor table, names, shapes, types, data ranges) before any weight is
@@ -23,9 +23,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
-from . import formats
-from .errors import ModelError
-from .ternary import TernaryMatrix
+from bitnet.modelfile import formats
+from bitnet.errors import ModelError
+from bitnet.modelfile.ternary import TernaryMatrix
 
 ARCHITECTURES = {"bitnet": "silu", "bitnet-b1.58": "relu2", "bitnet-25": "relu2"}  # default FFN activation
 _ACT_NAMES = {"silu": "silu", "swish": "silu",

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import UsageError
-from .kernels import ACT_QUANT_MODES
-from .sampling import Sampler
+from bitnet.errors import UsageError
+from bitnet.runtime.provider import ACT_QUANT_MODES
+from bitnet.runtime.sampling import Sampler
 
 if TYPE_CHECKING:
-    from .gguf_model import Model, ModelConfig
-    from .kernels import KernelProvider
-    from .model import Transformer
-    from .selection import Selection
-    from .tokenizer import Tokenizer
+    from bitnet.modelfile.model import Model, ModelConfig
+    from bitnet.runtime.provider import KernelProvider
+    from bitnet.runtime.transformer import Transformer
+    from bitnet.plugins.selection import Selection
+    from bitnet.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
 
@@ -52,7 +52,7 @@ class Stats:
 
 def load(path: str | os.PathLike[str] | None = None, device: str | None = None, n_ctx: int | None = None,
          act_quant: str = "row", progress: Callable[[int, int], None] | None = None) -> Engine:
-    """Select a device (DESIGN.md section 3), load the GGUF model onto it, return an Engine.
+    """Select a device (docs/design.md section 3), load the GGUF model onto it, return an Engine.
 
     path None is the embedded default model: a small *synthetic* model (random ternary
     weights, it writes gibberish) that exercises every code path. n_ctx defaults to the
@@ -60,10 +60,10 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     position, quality beyond the training context is the caller's business). act_quant is
     "row" (BitNet b1.58), "block256" (llama.cpp's Q8_K) or "none" (float).
     """
-    from .gguf_model import load_model
-    from .model import Transformer
-    from .selection import select
-    from .tokenizer import Tokenizer
+    from bitnet.modelfile.model import load_model
+    from bitnet.runtime.transformer import Transformer
+    from bitnet.plugins.selection import select
+    from bitnet.text.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     if act_quant not in ACT_QUANT_MODES:
@@ -75,7 +75,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     provider = selection.open()
     try:
         if path is None:
-            from . import default_model
+            from bitnet.modelfile import default_model
 
             path = default_model.path()
         model = load_model(path, progress=progress)
@@ -103,7 +103,7 @@ class Engine:
 
     @property
     def summary(self) -> str:
-        """`requested=... detected=[...] selected=...` (DESIGN.md section 3)."""
+        """`requested=... detected=[...] selected=...` (docs/design.md section 3)."""
         return self.selection.summary
 
     @property

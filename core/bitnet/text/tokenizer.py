@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bitnet.errors import ModelError
-from bitnet.special_tokens import SpecialTokens
+from bitnet.text.special_tokens import SpecialTokens
 
 __all__ = ["Tokenizer"]
 

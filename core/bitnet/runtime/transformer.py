@@ -1,4 +1,4 @@
-"""The BitNet b1.58 transformer, written once against KernelProvider (DESIGN.md section 4)."""
+"""The BitNet b1.58 transformer, written once against KernelProvider (docs/design.md section 4)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import ModelError, UsageError
-from .kernels import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
-from .ternary import TernaryMatrix
+from bitnet.errors import ModelError, UsageError
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.modelfile.ternary import TernaryMatrix
 
 if TYPE_CHECKING:
-    from .gguf_model import Model
+    from bitnet.modelfile.model import Model
 
 
 @dataclass

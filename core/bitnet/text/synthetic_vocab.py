@@ -1,7 +1,7 @@
 """Deterministic tokenizer metadata for synthetic models (tests, benchmarks, the built-in model).
 
 Not a tokenizer: it writes the `tokenizer.ggml.*` keys a GGUF file carries, which
-bitnet.tokenizer (and llama.cpp) then read like any real vocabulary.
+bitnet.text.tokenizer (and llama.cpp) then read like any real vocabulary.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import itertools
 from collections import Counter
 from typing import Any
 
-from .tokenizer import (
+from bitnet.text.tokenizer import (
     LLAMA3_REGEX,
     SPIECE_SPACE,
     TOKEN_BYTE,

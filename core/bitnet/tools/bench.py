@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import NoBackendError
-from .receipts import percentile
+from bitnet.errors import NoBackendError
+from bitnet.tools.receipts import percentile
 
 # Short, long and code-like: prefill at a few lengths, decode after each.
 PROMPTS = (
@@ -115,7 +115,7 @@ class BenchReport:
 def available_backends() -> list[str]:
     """Names of the backends whose probe found a device, in priority order (fakes included:
     they are then reported as skipped, with the reason)."""
-    from .registry import Registry
+    from bitnet.plugins.registry import Registry
 
     return [b.name for b in Registry().detected()]
 
@@ -135,8 +135,8 @@ def run(config: BenchConfig, log: Callable[[str], None] = lambda _: None) -> Ben
 
 def _bench_backend(request: str, config: BenchConfig, seen: set[str],
                    log: Callable[[str], None]) -> BackendResult | None:
-    from . import receipts
-    from .engine import load
+    from bitnet.tools import receipts
+    from bitnet.runtime.engine import load
 
     result = BackendResult(request)
     try:

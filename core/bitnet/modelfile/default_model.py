@@ -26,7 +26,10 @@ def cache_dir() -> Path:
 def _fingerprint() -> str:
     # The bytes written depend on the spec and on the writer, the format encoders and the
     # synthetic tokenizer: hash their sources rather than trust a version someone must bump.
-    from . import formats, synthetic_vocab, tokenizer, writer
+    from bitnet.modelfile import formats
+    from bitnet.text import synthetic_vocab
+    from bitnet.text import tokenizer
+    from bitnet.modelfile import writer
 
     h = hashlib.sha256(repr(sorted(SPEC_FIELDS.items())).encode())
     for module in (writer, formats, synthetic_vocab, tokenizer):
@@ -36,7 +39,7 @@ def _fingerprint() -> str:
 
 def path() -> str:
     """The default model's file, written now if it is not in the cache yet."""
-    from .writer import SyntheticSpec, write_model
+    from bitnet.modelfile.writer import SyntheticSpec, write_model
 
     directory = cache_dir()
     target = directory / f"bitnet-synthetic-{_fingerprint()}.gguf"

@@ -1,8 +1,8 @@
-"""Ternary weight formats of GGUF files to and from the canonical TernaryMatrix (DESIGN.md section 5).
+"""Ternary weight formats of GGUF files to and from the canonical TernaryMatrix (docs/design.md section 5).
 
 TQ1_0 and TQ2_0 are decoded and encoded through `gguf.quants`, the reference NumPy
 implementation, except where TQ2_0's bytes already are the canonical layout. I2_S is not
-known to the gguf package, so it is written here straight from the layout in DESIGN.md.
+known to the gguf package, so it is written here straight from the layout in docs/design.md.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from .errors import ModelError
-from .ternary import BLOCK, BYTES_PER_BLOCK, TernaryMatrix, from_values
+from bitnet.errors import ModelError
+from bitnet.modelfile.ternary import BLOCK, BYTES_PER_BLOCK, TernaryMatrix, from_values
 
 GGML_TQ1_0 = int(GGMLQuantizationType.TQ1_0)  # 34
 GGML_TQ2_0 = int(GGMLQuantizationType.TQ2_0)  # 35

@@ -1,4 +1,4 @@
-"""Request -> detection -> selection (DESIGN.md section 3).
+"""Request -> detection -> selection (docs/design.md section 3).
 
 A request is `auto`, `gpu`, a backend name or alias with an optional `:index`, or an
 ordered list of those separated by commas. An explicit request never falls back silently.
@@ -10,12 +10,12 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .backends import Backend, Device
-from .errors import NoBackendError, UsageError
-from .registry import Registry
+from bitnet.plugins.types import Backend, Device
+from bitnet.errors import NoBackendError, UsageError
+from bitnet.plugins.registry import Registry
 
 if TYPE_CHECKING:
-    from .kernels import KernelProvider
+    from bitnet.runtime.provider import KernelProvider
 
 
 @dataclass

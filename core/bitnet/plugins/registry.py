@@ -15,9 +15,9 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from .backends import Backend, Device, ProbeResult
-from .errors import PluginError
+from bitnet.plugins import hookspecs
+from bitnet.plugins.types import Backend, Device, ProbeResult
+from bitnet.errors import PluginError
 
 GROUP = "bitnet.backends"
 

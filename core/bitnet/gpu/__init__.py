@@ -1,4 +1,4 @@
-"""The one portable GPU kernel source, shared by the OpenCL and CUDA plugins (DESIGN.md section 6).
+"""The one portable GPU kernel source, shared by the OpenCL and CUDA plugins (docs/design.md section 6).
 
 `bitnet_kernels.c` is written in the C subset OpenCL C and CUDA share; `vendor_<name>.h` spells the
 rest (qualifiers, index macros, barriers, math names) for one vendor. Plugins compile

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pluggy
 
-from .backends import Backend
+from bitnet.plugins.types import Backend
 
 hookspec = pluggy.HookspecMarker("bitnet")
 

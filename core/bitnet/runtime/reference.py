@@ -1,4 +1,4 @@
-"""The plain NumPy kernel provider: every operation written straight from DESIGN.md section 4.
+"""The plain NumPy kernel provider: every operation written straight from docs/design.md section 4.
 
 This is the oracle the conformance kit compares other backends against, so it favours
 clarity over speed (but stays vectorized). Handles are NumPy arrays. Quantization follows
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UsageError
-from .kernels import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
-from .ternary import BLOCK, TernaryMatrix
+from bitnet.errors import UsageError
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
 
 
 @dataclass

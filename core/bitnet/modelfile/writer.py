@@ -1,7 +1,7 @@
 """Synthetic BitNet GGUF models: deterministic random weights in every supported format.
 
 Tests build references from `synthetic_weights(spec)`; benchmarks write the realistic 2B-4T
-shape with `python -m bitnet.writer OUT.gguf --preset 2b4t`. Tensors are generated and
+shape with `python -m bitnet.modelfile.writer OUT.gguf --preset 2b4t`. Tensors are generated and
 written one at a time (the token embedding in row chunks), so even the 1.2 GB preset never
 holds more than one tensor in memory.
 """
@@ -23,8 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from gguf.gguf_writer import TensorInfo, WriterState
 from gguf.quants import dequantize, quantize
 
-from . import formats
-from .synthetic_vocab import synthetic_tokenizer_metadata
+from bitnet.modelfile import formats
+from bitnet.text.synthetic_vocab import synthetic_tokenizer_metadata
 
 WEIGHT_TYPES = ("tq2_0", "tq1_0", "i2_s", "f32", "f16", "bf16")
 EMBD_TYPES = ("f16", "f32", "bf16", "q8_0")
@@ -57,7 +57,7 @@ class SyntheticSpec:
 
 PRESETS: dict[str, SyntheticSpec] = {
     "tiny": SyntheticSpec(),
-    # BitNet b1.58 2B-4T as Microsoft ships it (DESIGN.md section 4).
+    # BitNet b1.58 2B-4T as Microsoft ships it (docs/design.md section 4).
     "2b4t": SyntheticSpec(arch="bitnet-b1.58", n_layers=30, dim=2560, n_heads=20, n_kv_heads=5, ffn_dim=6912,
                           n_ctx=4096, rope_theta=500000.0, weight_type="i2_s", vocab_size=128256),
 }
@@ -335,7 +335,7 @@ def write_model(path: str | Path, spec: SyntheticSpec) -> Path:
 # -- command line ---------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bitnet.writer",
+    ap = argparse.ArgumentParser(prog="python -m bitnet.modelfile.writer",
                                  description="Write a synthetic BitNet GGUF model.")
     ap.add_argument("out", type=Path)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")

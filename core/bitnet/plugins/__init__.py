@@ -1,0 +1,1 @@
+"""The plugin contract and backend selection: hook specifications, plugin types, discovery, selection."""

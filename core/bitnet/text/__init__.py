@@ -1,0 +1,1 @@
+"""Text: the tokenizer read from GGUF metadata and its special tokens."""

@@ -1,0 +1,1 @@
+"""Tools around runs: the bench harness and receipts."""
