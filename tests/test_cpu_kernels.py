@@ -11,9 +11,9 @@ import numba
 import numpy as np
 import pytest
 
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.reference import ReferenceProvider
-from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet_cpu import ternary_kernels as tk
 from bitnet_cpu.provider import CpuProvider
 

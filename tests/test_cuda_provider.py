@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from bitnet import gpu as kernels_src
-from bitnet.plugins.types import Device
 from bitnet.errors import NoBackendError, UsageError
-from bitnet.runtime.reference import ReferenceProvider
 from bitnet.modelfile.ternary import from_values
+from bitnet.plugins.types import Device
+from bitnet.runtime.reference import ReferenceProvider
 
 
 def signatures() -> dict[str, str]:

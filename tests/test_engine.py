@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from float_reference import forward
 
-from bitnet.runtime.engine import Engine, StopFilter
 from bitnet.errors import NoBackendError, UsageError
+from bitnet.runtime.engine import Engine, StopFilter
 
 PROMPT = "The quick brown fox"
 

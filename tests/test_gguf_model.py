@@ -13,8 +13,8 @@ from gguf import GGUFReader
 
 from bitnet.errors import ModelError
 from bitnet.modelfile.model import LayerWeights, Model, _finite_rows, _Reader, load_model
-from bitnet.text.synthetic_vocab import synthetic_tokenizer_metadata
 from bitnet.modelfile.writer import SyntheticSpec, synthetic_weights, write_model
+from bitnet.text.synthetic_vocab import synthetic_tokenizer_metadata
 
 PROJ = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
         ("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down"))

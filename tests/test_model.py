@@ -7,8 +7,8 @@ import pytest
 from float_reference import forward, random_model
 
 from bitnet.errors import UsageError
-from bitnet.runtime.transformer import Transformer
 from bitnet.runtime.reference import ReferenceProvider
+from bitnet.runtime.transformer import Transformer
 from bitnet_cpu.provider import CpuProvider
 
 PROVIDERS = [ReferenceProvider, CpuProvider]

@@ -11,10 +11,10 @@ import pyopencl as cl
 import pytest
 
 from bitnet import gpu as kernels_src
-from bitnet.plugins.types import Device
 from bitnet.errors import NoBackendError, UsageError
-from bitnet.runtime.reference import ReferenceProvider
 from bitnet.modelfile.ternary import from_values
+from bitnet.plugins.types import Device
+from bitnet.runtime.reference import ReferenceProvider
 from bitnet_opencl.provider import TILE_N, OpenCLProvider
 
 MODES = ("row", "block256", "none")

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from bitnet.tools import receipts
-from bitnet.runtime.engine import Engine
 from bitnet.errors import BitnetError, GateError, NoBackendError
+from bitnet.runtime.engine import Engine
 from bitnet.runtime.provider import KernelProvider
+from bitnet.tools import receipts
 from bitnet_cpu.provider import CpuProvider
 from conftest import BITNET_ENV, cli_env, run_cli
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from bitnet.errors import UsageError
-from bitnet.runtime.reference import ReferenceProvider
 from bitnet.modelfile.ternary import TernaryMatrix, from_values
+from bitnet.runtime.reference import ReferenceProvider
 from bitnet_cpu.provider import CpuProvider
 
 MODES = ("row", "block256", "none")

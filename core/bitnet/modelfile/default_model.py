@@ -26,10 +26,8 @@ def cache_dir() -> Path:
 def _fingerprint() -> str:
     # The bytes written depend on the spec and on the writer, the format encoders and the
     # synthetic tokenizer: hash their sources rather than trust a version someone must bump.
-    from bitnet.modelfile import formats
-    from bitnet.text import synthetic_vocab
-    from bitnet.text import tokenizer
-    from bitnet.modelfile import writer
+    from bitnet.modelfile import formats, writer
+    from bitnet.text import synthetic_vocab, tokenizer
 
     h = hashlib.sha256(repr(sorted(SPEC_FIELDS.items())).encode())
     for module in (writer, formats, synthetic_vocab, tokenizer):

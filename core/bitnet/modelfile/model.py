@@ -23,8 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
-from bitnet.modelfile import formats
 from bitnet.errors import ModelError
+from bitnet.modelfile import formats
 from bitnet.modelfile.ternary import TernaryMatrix
 
 ARCHITECTURES = {"bitnet": "silu", "bitnet-b1.58": "relu2", "bitnet-25": "relu2"}  # default FFN activation

@@ -16,9 +16,9 @@ from bitnet.runtime.sampling import Sampler
 
 if TYPE_CHECKING:
     from bitnet.modelfile.model import Model, ModelConfig
+    from bitnet.plugins.selection import Selection
     from bitnet.runtime.provider import KernelProvider
     from bitnet.runtime.transformer import Transformer
-    from bitnet.plugins.selection import Selection
     from bitnet.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
@@ -61,8 +61,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     "row" (BitNet b1.58), "block256" (llama.cpp's Q8_K) or "none" (float).
     """
     from bitnet.modelfile.model import load_model
-    from bitnet.runtime.transformer import Transformer
     from bitnet.plugins.selection import select
+    from bitnet.runtime.transformer import Transformer
     from bitnet.text.tokenizer import Tokenizer
 
     t0 = time.perf_counter()

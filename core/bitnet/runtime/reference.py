@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
 
 
 @dataclass

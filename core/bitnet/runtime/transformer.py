@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bitnet.errors import ModelError, UsageError
-from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
 from bitnet.modelfile.ternary import TernaryMatrix
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
 
 if TYPE_CHECKING:
     from bitnet.modelfile.model import Model

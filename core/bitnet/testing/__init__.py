@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from bitnet.plugins.types import Backend, Device, ProbeResult
-from bitnet.runtime.provider import KernelProvider
+from bitnet.modelfile.ternary import from_values
 from bitnet.plugins.registry import Registry
 from bitnet.plugins.selection import select
-from bitnet.modelfile.ternary import from_values
+from bitnet.plugins.types import Backend, Device, ProbeResult
+from bitnet.runtime.provider import KernelProvider
 
 NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 

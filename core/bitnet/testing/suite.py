@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from bitnet import check_probe, check_provider, check_selection
 from bitnet.plugins.registry import Registry
-from bitnet import check_probe
-from bitnet import check_provider
-from bitnet import check_selection
 
 
 @pytest.fixture

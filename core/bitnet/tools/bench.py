@@ -135,8 +135,8 @@ def run(config: BenchConfig, log: Callable[[str], None] = lambda _: None) -> Ben
 
 def _bench_backend(request: str, config: BenchConfig, seen: set[str],
                    log: Callable[[str], None]) -> BackendResult | None:
-    from bitnet.tools import receipts
     from bitnet.runtime.engine import load
+    from bitnet.tools import receipts
 
     result = BackendResult(request)
     try:

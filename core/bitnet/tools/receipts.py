@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bitnet import __version__
-from bitnet.plugins.types import host_cpu_name
 from bitnet.errors import BitnetError, GateError, UsageError
+from bitnet.plugins.types import host_cpu_name
 
 if TYPE_CHECKING:
+    from bitnet.plugins.selection import Selection
     from bitnet.runtime.engine import Engine
     from bitnet.runtime.provider import KernelProvider
-    from bitnet.plugins.selection import Selection
 
 SCHEMA_VERSION = 1
 # engine.generate's defaults: what a run used for any setting the caller does not pass.
