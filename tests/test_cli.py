@@ -61,13 +61,25 @@ def test_devices_json_parses_and_lists_every_backend():
     assert {"cpu", "cuda"} <= set(by_backend)
     assert by_backend["cpu"]["available"] and by_backend["cpu"]["device"]["memory_bytes"] > 0
     assert not by_backend["cuda"]["available"] and "pycuda" in by_backend["cuda"]["reason"]
-    assert [row["priority"] for row in rows] == sorted((row["priority"] for row in rows), reverse=True)
+    ranks = [row["rank"] for row in rows if row["available"]]
+    assert ranks == list(range(1, len(ranks) + 1)) and all(row["rank"] is None for row in rows if not row["available"])
+    # The rank order is auto's: the cpu backend before any CPU-kind device of another backend (PoCL).
+    assert rows[0]["backend"] == "cpu" and rows[0]["rank"] == 1
+
+
+def test_auto_prefers_the_cpu_backend_to_an_opencl_cpu_device():
+    r = run_cli()
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("requested=auto detected=[") and r.stdout.endswith(" selected=cpu\n")
+    r = run_cli("--device", "gpu")
+    assert r.returncode == 3 and "opencl: no GPU device (its devices are cpu)" in r.stderr
 
 
 def test_devices_table():
     r = run_cli("devices")
     assert r.returncode == 0
-    assert r.stdout.splitlines()[0].split()[:3] == ["BACKEND", "IDX", "DEVICE"]
+    assert r.stdout.splitlines()[0].split()[:4] == ["RANK", "BACKEND", "IDX", "DEVICE"]
+    assert r.stdout.splitlines()[1].split()[:2] == ["1", "cpu"]
     assert "unavailable: pycuda is not installed" in r.stdout
 
 

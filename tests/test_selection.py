@@ -7,10 +7,10 @@ import types
 import pytest
 
 from bitnet import hookimpl
-from bitnet.plugins.types import Backend, Device, ProbeResult
 from bitnet.errors import NoBackendError, PluginError, UsageError
 from bitnet.plugins.registry import Registry
 from bitnet.plugins.selection import parse_request, select
+from bitnet.plugins.types import Backend, Device, ProbeResult
 
 
 def backend(name: str, kind: str, priority: int, n_devices: int = 1, aliases=(), reason="not here",
@@ -175,11 +175,118 @@ def test_probe_that_raises_is_an_error_in_plugin_strict_mode(monkeypatch):
         select("auto", reg)
 
 
-def test_duplicate_backend_names_name_both_plugins():
-    with pytest.raises(PluginError, match="claimed by both .*p0.* and .*p1"):
-        registry(plugin(backend("cpu", "cpu", 10)), plugin(backend("cpu", "cpu", 20)))
-    with pytest.raises(PluginError, match="'ocl' is claimed by both"):
-        registry(plugin(backend("opencl", "gpu", 50, aliases=("ocl",))), plugin(backend("ocl", "gpu", 40)))
+def test_a_clashing_name_disables_only_that_name():
+    reg = registry(plugin(backend("cpu", "cpu", 10), backend("extra", "cpu", 5)), plugin(backend("cpu", "cpu", 20)),
+                   plugin(backend("opencl", "gpu", 50)))
+    assert [b.name for b in reg.backends()] == ["opencl", "extra"]
+    sel = select("cpu", reg)
+    assert sel.backend is None
+    assert "'cpu' is claimed by both backend 'cpu' of <in-process>" in sel.error
+    assert "(entry point 'p0')" in sel.error and "(entry point 'p1')" in sel.error
+    assert select("extra", reg).selected == "extra" and select("auto", reg).selected == "opencl"
+    assert reg.plugins[0].clashes == ["cpu"] and reg.plugins[1].clashes == ["cpu"] and reg.plugins[2].clashes == []
+    assert reg.plugins[0].backends == ["extra"] and reg.plugins[0].status == "loaded"
+
+
+def test_an_alias_clash_disables_only_that_name():
+    reg = registry(plugin(backend("opencl", "gpu", 50, aliases=("ocl", "cl"))), plugin(backend("ocl", "gpu", 40)),
+                   plugin(backend("cpu", "cpu", 10)))
+    assert [b.name for b in reg.backends()] == ["opencl", "cpu"]
+    assert "'ocl' is claimed by both" in select("ocl", reg).error
+    assert select("opencl", reg).selected == "opencl" and select("cl", reg).selected == "opencl"
+    assert reg.plugins[1].clashes == ["ocl"] and reg.plugins[0].clashes == []
+
+
+def test_auto_ranks_gpus_then_the_cpu_backend_then_cpu_kind_devices_of_other_backends():
+    def ocl(*kinds):
+        return lambda: ProbeResult(tuple(Device("opencl", i, f"dev {i}", kind=k) for i, k in enumerate(kinds)))
+
+    cpu = plugin(backend("cpu", "cpu", 10))
+    pocl_only = registry(plugin(Backend("opencl", "gpu", 50, ocl("cpu"), lambda d: d)), cpu)
+    # Written out, not computed: the summary lists detected backends by priority, selection by rank.
+    assert select("auto", pocl_only).summary == "requested=auto detected=[opencl,cpu] selected=cpu"
+    assert select("opencl", pocl_only).selected == "opencl"  # asked for by name: still usable
+    mixed = registry(plugin(Backend("opencl", "gpu", 50, ocl("cpu", "gpu"), lambda d: d)), cpu)
+    sel = select("auto", mixed)
+    assert (sel.selected, sel.device.index) == ("opencl", 1)
+    assert select("opencl", mixed).device.index == 1  # a backend's GPU before its CPU-kind device
+    assert select("opencl:0", mixed).device.index == 0
+    no_cpu = registry(plugin(Backend("opencl", "gpu", 50, ocl("cpu"), lambda d: d)))
+    assert select("auto", no_cpu).selected == "opencl"  # last in rank, but still a device
+    assert select("gpu", no_cpu).backend is None
+
+
+def test_ranked_lists_every_detected_device_in_auto_order():
+    from bitnet.plugins.selection import ranked
+
+    def ocl():
+        return ProbeResult((Device("opencl", 0, "pocl", kind="cpu"), Device("opencl", 1, "arc", kind="gpu")))
+
+    reg = registry(plugin(Backend("opencl", "gpu", 50, ocl, lambda d: d)), plugin(backend("cpu", "cpu", 10)),
+                   plugin(backend("npu", "npu", 30)), plugin(backend("cuda", "gpu", 100, 0)))
+    assert [(b.name, d.index) for b, d in ranked(reg)] == [("opencl", 1), ("npu", 0), ("cpu", 0), ("opencl", 0)]
+
+
+def test_hooks_go_through_pluggy_so_wrappers_and_tryfirst_apply():
+    first = types.SimpleNamespace()
+
+    @hookimpl(tryfirst=True)
+    def bitnet_resolve_request(token, backends):
+        return ["cpu"] if token == "fast" else None
+
+    first.bitnet_resolve_request = bitnet_resolve_request
+    wrapper = types.SimpleNamespace()
+
+    @hookimpl(wrapper=True)
+    def bitnet_backends():
+        found = yield
+        return [[b for b in group if b.name != "hidden"] for group in found]
+
+    wrapper.bitnet_backends = bitnet_backends
+    # `first` registers before the other resolver: pluggy's default (last registered first) would put
+    # opencl first, tryfirst puts cpu first.
+    reg = registry(first, plugin(backend("cpu", "cpu", 10), backend("hidden", "cpu", 5)),
+                   plugin(backend("opencl", "gpu", 50), resolve=lambda t: ["opencl"] if t == "fast" else None),
+                   wrapper)
+    assert [b.name for b in reg.backends()] == ["opencl", "cpu"]
+    assert [b.name for b in reg.resolve("fast")] == ["cpu", "opencl"]
+    assert select("fast", reg).selected == "cpu"
+
+
+def test_a_raising_hook_sets_aside_only_its_plugin():
+    bad = types.SimpleNamespace()
+
+    @hookimpl
+    def bitnet_backends():
+        raise RuntimeError("boom")
+
+    bad.bitnet_backends = bitnet_backends
+    bad_resolve = types.SimpleNamespace()
+
+    @hookimpl
+    def bitnet_resolve_request(token, backends):
+        raise ValueError("no")
+
+    bad_resolve.bitnet_resolve_request = bitnet_resolve_request
+    reg = registry(plugin(backend("cpu", "cpu", 10), resolve=lambda t: ["cpu"] if t == "host2" else None),
+                   bad, bad_resolve)
+    assert [b.name for b in reg.backends()] == ["cpu"]
+    assert reg.plugins[1].status == "failed" and "bitnet_backends failed: RuntimeError: boom" in reg.plugins[1].error
+    assert select("host2", reg).selected == "cpu"
+    assert reg.plugins[2].status == "failed" and "ValueError: no" in reg.plugins[2].error
+
+
+def test_a_raising_hook_is_an_error_in_plugin_strict_mode(monkeypatch):
+    monkeypatch.setenv("BITNET_PLUGINS_STRICT", "1")
+    bad = types.SimpleNamespace()
+
+    @hookimpl
+    def bitnet_backends():
+        raise RuntimeError("boom")
+
+    bad.bitnet_backends = bitnet_backends
+    with pytest.raises(PluginError, match="boom"):
+        registry(plugin(backend("cpu", "cpu", 10)), bad)
 
 
 def test_bad_hookimpl_is_isolated():

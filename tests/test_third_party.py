@@ -71,18 +71,31 @@ def test_plugin_that_fails_to_import_is_isolated_and_reported(tmp_path):
     assert r.returncode == 1 and "bitnet-broken 1.2.3" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_two_distributions_claiming_one_name_is_an_error_naming_both(tmp_path):
-    env = fake_distribution(tmp_path, "bitnet-impostor", "0.1", "impostor", """
+def test_two_distributions_claiming_one_name_disable_only_that_name(tmp_path):
+    code = """
         import bitnet
-        from bitnet.plugins.types import Backend, ProbeResult
+        from bitnet import Backend, ProbeResult, Device
 
         @bitnet.hookimpl
         def bitnet_backends():
-            return [Backend("cpu", "cpu", 10, lambda: ProbeResult.unavailable("no"), lambda d: None)]
-        """)
-    r = run_cli("--device", "cpu", env=env)
-    assert r.returncode == 1
-    assert "claimed by both" in r.stderr and "bitnet-cpu" in r.stderr and "bitnet-impostor" in r.stderr
+            return [Backend("twin", "cpu", 7, lambda: ProbeResult((Device("twin", 0, "{who}"),)), lambda d: None),
+                    Backend("{who}", "cpu", 6, lambda: ProbeResult((Device("{who}", 0, "{who}"),)), lambda d: None)]
+        """
+    fake_distribution(tmp_path, "bitnet-twin-a", "1.0", "twin_a", code.format(who="solo_a"))
+    env = fake_distribution(tmp_path, "bitnet-twin-b", "2.0", "twin_b", code.format(who="solo_b"))
+    r = run_cli("--device", "twin", env=env)
+    assert r.returncode == 3, r.stderr
+    assert "'twin' is claimed by both" in r.stderr
+    assert "bitnet-twin-a 1.0" in r.stderr and "bitnet-twin-b 2.0" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    # Every other backend, the two plugins' own included, keeps working.
+    for request in ("cpu", "solo_a", "solo_b"):
+        r = run_cli("--device", request, env=env)
+        assert r.returncode == 0 and r.stdout.endswith(f"selected={request}\n"), r.stderr
+    infos = {p["name"]: p for p in json.loads(run_cli("plugins", "--json", env=env).stdout)}
+    assert infos["twin_a"]["clashes"] == ["twin"] and infos["twin_a"]["backends"] == ["solo_a"]
+    assert infos["twin_b"]["clashes"] == ["twin"] and infos["cpu"]["clashes"] == []
+    assert "disabled (name claimed by another plugin too): twin" in run_cli("plugins", env=env).stdout
 
 
 def test_probe_raising_in_a_real_plugin_is_isolated(tmp_path):

@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 import click
 
 from bitnet import __version__
+
 from .errors import BitnetError, UsageError
 
 EXIT_CODES = """Exit codes: 0 success, 1 internal error, 2 usage error, 3 no backend satisfies the
@@ -88,26 +89,31 @@ def _flag(v: bool | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def devices(ctx: click.Context, as_json: bool) -> None:
-    """List every backend and device, available or with the reason not."""
+    """List every device in the order `auto` ranks them, then each backend without one and why."""
+    from bitnet.plugins.selection import ranked
+
     registry = _registry(ctx)
-    rows: list[dict[str, Any]] = []
-    for b in registry.backends():
-        probe = registry.probe(b.name)
-        base = {"backend": b.name, "aliases": list(b.aliases), "kind": b.kind, "priority": b.priority}
-        if not probe.devices:
-            rows.append({**base, "index": None, "available": False, "reason": probe.reason, "device": None})
-        for d in probe.devices:
-            rows.append({**base, "index": d.index, "available": True, "reason": None, "device": d.to_json()})
+
+    def row(b: Any, rank: int | None, d: Any, reason: str | None) -> dict[str, Any]:
+        return {"rank": rank, "backend": b.name, "aliases": list(b.aliases), "kind": b.kind, "priority": b.priority,
+                "index": None if d is None else d.index, "available": d is not None, "reason": reason,
+                "device": None if d is None else d.to_json()}
+
+    rows = [row(b, rank, d, None) for rank, (b, d) in enumerate(ranked(registry), start=1)]
+    rows += [row(b, None, None, registry.probe(b.name).reason) for b in registry.backends()
+             if not registry.probe(b.name).devices]
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=str))
         return
-    header = ("BACKEND", "IDX", "DEVICE", "VENDOR", "MEMORY", "CU/CC", "FP16", "BF16", "PRIO", "STATUS")
+    header = ("RANK", "BACKEND", "IDX", "DEVICE", "KIND", "VENDOR", "MEMORY", "CU/CC", "FP16", "BF16", "PRIO",
+              "STATUS")
     table = [header]
     for r in rows:
         d = r["device"] or {}
         units = d.get("compute_capability") or d.get("compute_units")
         status = ("fake" if d.get("fake") else "available") if r["available"] else f"unavailable: {r['reason']}"
-        table.append((r["backend"], "-" if r["index"] is None else str(r["index"]), d.get("name", "-"),
+        table.append(("-" if r["rank"] is None else str(r["rank"]), r["backend"],
+                      "-" if r["index"] is None else str(r["index"]), d.get("name", "-"), d.get("kind") or r["kind"],
                       d.get("vendor") or "-", _fmt_bytes(d.get("memory_bytes")), "-" if units is None else str(units),
                       _flag(d.get("fp16")), _flag(d.get("bf16")), str(r["priority"]), status))
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
@@ -126,6 +132,8 @@ def plugins(ctx: click.Context, as_json: bool) -> None:
         return
     for p in infos:
         line = f"{p.name}: {p.distribution} {p.version} [{p.status}] backends={','.join(p.backends) or '-'}"
+        if p.clashes:
+            line += f" disabled (name claimed by another plugin too): {','.join(p.clashes)}"
         click.echo(line + (f" error: {p.error}" if p.error else ""))
 
 
@@ -156,6 +164,7 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
     except UnicodeEncodeError:
         raise UsageError("the prompt is not valid UTF-8") from None
     from bitnet.runtime.engine import load
+
     from .errors import NoBackendError
 
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -295,8 +304,8 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
           max_wall_ms: float | None, require: tuple[str, ...], out: str | None,
           receipts_dir: str | None) -> None:
     """Measure fixed prompts on each backend: a table on stdout; gates exit 5, a missing --require 3."""
-    from bitnet.tools import bench as harness
     from bitnet.runtime.sampling import check_params
+    from bitnet.tools import bench as harness
 
     check_params(temperature, top_k, top_p)
     config = harness.BenchConfig(

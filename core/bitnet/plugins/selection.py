@@ -1,4 +1,4 @@
-"""Request -> detection -> selection (docs/design.md section 3).
+"""Request -> detection -> ranking -> selection (docs/design.md section 3).
 
 A request is `auto`, `gpu`, a backend name or alias with an optional `:index`, or an
 ordered list of those separated by commas. An explicit request never falls back silently.
@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from bitnet.plugins.types import Backend, Device
 from bitnet.errors import NoBackendError, UsageError
 from bitnet.plugins.registry import Registry
+from bitnet.plugins.types import Backend, Device
 
 if TYPE_CHECKING:
     from bitnet.runtime.provider import KernelProvider
@@ -78,14 +78,38 @@ def parse_request(request: str) -> list[tuple[str, int | None]]:
     return items
 
 
-def _gpu_devices(registry: Registry, backend: Backend) -> tuple[Device, ...]:
-    return tuple(d for d in registry.probe(backend.name).devices if (d.kind or backend.kind) == "gpu")
+def device_kind(backend: Backend, device: Device) -> str:
+    return device.kind or backend.kind
+
+
+def tier(backend: Backend, device: Device) -> int:
+    """Where `auto` ranks a device (docs/design.md section 3): 0 a GPU; 1 another accelerator; 2 a device of
+    a CPU backend; 3 a CPU-kind device of any other backend (an OpenCL driver on the host CPU is a
+    portability and test device, never the fast default)."""
+    kind = device_kind(backend, device)
+    if kind == "gpu":
+        return 0
+    if kind != "cpu":
+        return 1
+    return 2 if backend.kind == "cpu" else 3
+
+
+def ranked(registry: Registry) -> list[tuple[Backend, Device]]:
+    """Every detected device in `auto`'s order: by tier, then backend priority and name, then index."""
+    pairs = [(b, d) for b in registry.detected() for d in registry.probe(b.name).devices]
+    return sorted(pairs, key=lambda bd: (tier(*bd), bd[0].sort_key(), bd[1].index))
+
+
+def _devices(registry: Registry, backend: Backend, gpu_only: bool) -> list[Device]:
+    """A backend's devices, best first (its GPUs before its CPU-kind devices)."""
+    devices = sorted(registry.probe(backend.name).devices, key=lambda d: (tier(backend, d), d.index))
+    return [d for d in devices if not gpu_only or device_kind(backend, d) == "gpu"]
 
 
 def _reason(registry: Registry, backend: Backend) -> str:
     probe = registry.probe(backend.name)
     if probe.devices:
-        kinds = sorted({d.kind or backend.kind for d in probe.devices})
+        kinds = sorted({device_kind(backend, d) for d in probe.devices})
         return f"{backend.name}: no GPU device (its devices are {','.join(kinds)})"
     return f"{backend.name}: {probe.reason}"
 
@@ -98,33 +122,37 @@ def select(request: str | None = None, registry: Registry | None = None) -> Sele
     sel = Selection(requested, registry)
     problems: list[str] = []
     for token, index in items:
-        if token == "auto" or token == "gpu":
-            pool = [b for b in sel.detected if token == "auto" or _gpu_devices(registry, b)]
-            if not pool:
-                considered = [b for b in registry.backends() if token == "auto" or b.kind == "gpu"]
-                problems.extend(_reason(registry, b) for b in considered)
-                if not considered:
-                    problems.append(f"{token}: no {'GPU ' if token == 'gpu' else ''}backend is installed")
-                continue
-            candidates = pool[:1]
-        else:
-            candidates = registry.resolve(token)
-            if not candidates:
-                known = ", ".join(b.name for b in registry.backends()) or "none"
-                problems.append(f"{token}: no installed backend has that name (installed: {known})")
-                continue
+        if token in ("auto", "gpu"):
+            if index is not None:
+                raise UsageError(f"invalid device request {token}:{index}: '{token}' takes no index")
+            pool = [(b, d) for b, d in ranked(registry) if token == "auto" or device_kind(b, d) == "gpu"]
+            if pool:
+                sel.backend, sel.device = pool[0]
+                return sel
+            considered = [b for b in registry.backends() if token == "auto" or b.kind == "gpu"]
+            problems.extend(_reason(registry, b) for b in considered)
+            if not considered:
+                problems.append(f"{token}: no {'GPU ' if token == 'gpu' else ''}backend is installed")
+            continue
+        candidates = registry.resolve(token)
+        if not candidates:
+            known = ", ".join(b.name for b in registry.backends()) or "none"
+            problems.append(registry.clashes.get(token)
+                            or f"{token}: no installed backend has that name (installed: {known})")
+            continue
         for backend in candidates:
-            devices = registry.probe(backend.name).devices
-            if token == "gpu":
-                devices = _gpu_devices(registry, backend)
+            devices = _devices(registry, backend, gpu_only=False)
             if not devices:
                 problems.append(_reason(registry, backend))
                 continue
-            if index is not None and index >= len(devices):
-                problems.append(f"{backend.name}:{index}: {backend.name} has {len(devices)} device(s), "
-                                f"index 0..{len(devices) - 1}")
-                continue
-            sel.backend, sel.device, sel.explicit_index = backend, devices[index or 0], index is not None
+            if index is not None:
+                match = [d for d in devices if d.index == index]
+                if not match:
+                    problems.append(f"{backend.name}:{index}: {backend.name} has {len(devices)} device(s), "
+                                    f"index 0..{len(devices) - 1}")
+                    continue
+                devices = match
+            sel.backend, sel.device, sel.explicit_index = backend, devices[0], index is not None
             return sel
     found = ",".join(b.name for b in sel.detected)
     sel.error = f"no backend satisfies --device {requested}: found [{found}]; " + "; ".join(problems)
