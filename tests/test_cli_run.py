@@ -78,6 +78,13 @@ def test_prompt_longer_than_the_context_exits_2(env, model):
     one_error_line(r, 2, "context")
 
 
+@pytest.mark.parametrize("device", ["cpu", "opencl"])
+def test_a_context_larger_than_the_device_exits_2_before_allocating(env, model, device):
+    # 2 layers x 2 KV heads x 64 x K,V float32 = 2 KiB a position: 10**9 positions are 1907 GiB.
+    r = run_cli("--device", device, "run", "-m", str(model), "-p", "hi", "--n-ctx", "1000000000", env=env)
+    one_error_line(r, 2, "n_ctx=1000000000 needs a 1907.3 GiB KV cache", f"GiB of {device}:0")
+
+
 def test_invalid_utf8_prompt_exits_2(env, model):
     r = subprocess.run([sys.executable, "-m", "bitnet", "--device", "cpu", "run", "--model", str(model),
                         "--prompt", b"\xff\xfeabc"], capture_output=True, text=True, env=env, timeout=120)

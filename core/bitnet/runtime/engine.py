@@ -17,6 +17,7 @@ from bitnet.runtime.sampling import Sampler
 if TYPE_CHECKING:
     from bitnet.modelfile.model import Model, ModelConfig
     from bitnet.plugins.selection import Selection
+    from bitnet.plugins.types import Device
     from bitnet.runtime.provider import KernelProvider
     from bitnet.runtime.transformer import Transformer
     from bitnet.text.tokenizer import Tokenizer
@@ -82,12 +83,29 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
         tokenizer = Tokenizer.from_metadata(model.metadata)
         if n_ctx is None:
             n_ctx = min(model.config.n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
+        check_kv_fits(model.config, n_ctx, selection.device)
         transformer = Transformer(model, provider, n_ctx, act_quant)
     except BaseException:
         provider.close()
         raise
     load_ms = (time.perf_counter() - t0) * 1e3
     return Engine(selection, provider, model, tokenizer, transformer, load_ms=load_ms)
+
+
+def kv_cache_bytes(config: ModelConfig, n_ctx: int, n_seqs: int = 1) -> int:
+    """Bytes of the K and V cache (float32) for n_seqs sequences of n_ctx positions."""
+    return 2 * 4 * config.n_layers * n_ctx * config.n_kv_heads * config.head_dim * n_seqs
+
+
+def check_kv_fits(config: ModelConfig, n_ctx: int, device: Device | None, n_seqs: int = 1) -> None:
+    """A usage error, before anything is allocated, when the KV cache alone exceeds the device's memory."""
+    need = kv_cache_bytes(config, n_ctx, n_seqs)
+    have = device.memory_bytes if device is not None else None
+    if have and need > have:
+        seqs = f" x {n_seqs} sequences" if n_seqs > 1 else ""
+        raise UsageError(f"n_ctx={n_ctx}{seqs} needs a {need / 2**30:.1f} GiB KV cache ({config.n_layers} layers x "
+                         f"{config.n_kv_heads} KV heads x {config.head_dim} x K,V float32), more than the "
+                         f"{have / 2**30:.1f} GiB of {device.backend}:{device.index} ({device.name})")
 
 
 class Engine:
