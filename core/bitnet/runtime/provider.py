@@ -8,6 +8,12 @@ and `argmax` bring data back, and each of them waits for exactly the work it rea
 Activations are 2-D: [n_tokens, width], float32 semantics. Every operation a provider
 runs must be recorded with `self.record(kernel_name)` as it is dispatched: receipts list
 these names, so they are evidence of what ran, never a fixed list.
+
+Only `bitlinear` is required. Every other operation a provider class does not override runs
+on the host CPU through the NumPy reference (bitnet.runtime.fallback), and each such call
+is counted in `fallbacks` with its reason (docs/design.md section 4). The memory methods
+default to host NumPy arrays, which is what a CPU backend wants; a device backend overrides
+all five (`upload_ternary`, `upload_float`, `kv_cache`, `to_host`, `from_host`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from bitnet.modelfile.ternary import TernaryMatrix
 
 ACT_QUANT_MODES = ("row", "block256", "none")
 ACTIVATIONS = ("silu", "relu2")
+# Every operation of a forward pass and of greedy sampling, in the order a layer first calls them.
+OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "add", "last_row", "lm_head",
+              "argmax")
 
 
 class KernelProvider(ABC):
@@ -38,37 +47,55 @@ class KernelProvider(ABC):
         self.dispatches[kernel] += count
 
     def record_fallback(self, op: str, reason: str, count: int = 1) -> None:
-        """Count one CPU fallback of `op`, as it happens: receipts report every one with its reason."""
+        """Count one CPU fallback of `op`, as it happens: receipts report every one with its reason.
+
+        Under BITNET_STRICT_MODE=1 it raises NoBackendError instead, before the host computes."""
+        from bitnet.runtime.fallback import refuse_in_strict_mode
+
+        refuse_in_strict_mode(self.backend, [op], reason)
         self.fallbacks[(op, reason)] += count
 
-    # -- memory ---------------------------------------------------------------------------
-    @abstractmethod
+    # -- memory: host NumPy arrays unless overridden ----------------------------------------------
     def upload_ternary(self, w: TernaryMatrix) -> Any:
         """Make a ternary projection resident; repack to the device's layout here, once."""
+        return w
 
-    @abstractmethod
     def upload_float(self, a: np.ndarray) -> Any:
         """Make a float tensor resident (norm weights F32; embedding / LM head F16 or F32)."""
+        # Keeps an mmap'd table as a view: on the host, the page cache is the resident copy.
+        return np.asarray(a)
 
-    @abstractmethod
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int) -> Any:
-        """Allocate the K and V cache for every layer."""
+        """Allocate the K and V cache for every layer (used only if this provider runs attention)."""
+        from bitnet.runtime.reference import KVCache
 
-    @abstractmethod
+        shape = (n_layers, n_ctx, n_kv_heads, head_dim)
+        return KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+
     def to_host(self, x: Any) -> np.ndarray:
         """Copy an activation back as float32 [n, width], after the work that writes it."""
+        return np.array(x, dtype=np.float32)
+
+    def from_host(self, a: np.ndarray) -> Any:
+        """An activation handle holding float32 [n, width] `a`: how a host fallback's result returns."""
+        return a
 
     def close(self) -> None:  # noqa: B027 (optional: providers without device memory need nothing)
         """Release device memory. Idempotent."""
 
-    # -- operations ----------------------------------------------------------------------------
-    @abstractmethod
+    # -- operations: only bitlinear is required -------------------------------------------------
+    def _on_host(self, op: str, *args: Any) -> Any:
+        from bitnet.runtime.fallback import run_on_host
+
+        return run_on_host(self, op, args)
+
     def embed(self, table: Any, ids: np.ndarray) -> Any:
         """Rows `ids` (int32 [n]) of an uploaded [vocab, dim] table, as float32 [n, dim]."""
+        return self._on_host("embed", table, ids)
 
-    @abstractmethod
     def rmsnorm(self, x: Any, w: Any, eps: float) -> Any:
         """x / sqrt(mean(x^2) + eps) * w, per row."""
+        return self._on_host("rmsnorm", x, w, eps)
 
     @abstractmethod
     def bitlinear(self, x: Any, w: Any, act_quant: str) -> Any:
@@ -88,32 +115,38 @@ class KernelProvider(ABC):
         bitnet.runtime.reference.ReferenceProvider.
         """
 
-    @abstractmethod
     def rope(self, x: Any, n_heads: int, head_dim: int, pos0: int, theta: float) -> Any:
         """NEOX rotary embedding (rotate halves) of [n, n_heads*head_dim]; row i is position pos0+i."""
+        return self._on_host("rope", x, n_heads, head_dim, pos0, theta)
 
-    @abstractmethod
     def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, pos0: int,
                   n_heads: int, n_kv_heads: int, head_dim: int) -> Any:
         """Store k, v at positions pos0.. of `layer` in the cache, then causal grouped-query
         attention of q over positions 0..pos0+i for row i, scale 1/sqrt(head_dim)."""
+        return self._on_host("attention", q, k, v, cache, layer, pos0, n_heads, n_kv_heads, head_dim)
 
-    @abstractmethod
     def act_mul(self, gate: Any, up: Any, act: str) -> Any:
         """act(gate) * up with act "silu" (x*sigmoid(x)) or "relu2" (max(x,0)^2)."""
+        return self._on_host("act_mul", gate, up, act)
 
-    @abstractmethod
     def add(self, a: Any, b: Any) -> Any:
         """a + b (the residual)."""
+        return self._on_host("add", a, b)
 
-    @abstractmethod
     def last_row(self, x: Any) -> Any:
         """The last row of x as [1, width] (prefill needs logits of the last position only)."""
+        return self._on_host("last_row", x)
 
-    @abstractmethod
     def lm_head(self, x: Any, table: Any) -> Any:
         """x [n, dim] times the uploaded [vocab, dim] table transposed -> logits [n, vocab]."""
+        return self._on_host("lm_head", x, table)
 
-    @abstractmethod
     def argmax(self, logits: Any) -> np.ndarray:
         """Index of the largest logit of each row (first on ties), on the host as int64 [n]."""
+        return self._on_host("argmax", logits)
+
+
+def native_operations(provider: KernelProvider | type[KernelProvider]) -> frozenset[str]:
+    """The operations a provider class implements itself; the others fall back to the host."""
+    cls = provider if isinstance(provider, type) else type(provider)
+    return frozenset(op for op in OPERATIONS if getattr(cls, op) is not getattr(KernelProvider, op))

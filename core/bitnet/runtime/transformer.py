@@ -9,7 +9,8 @@ import numpy as np
 
 from bitnet.errors import ModelError, UsageError
 from bitnet.modelfile.ternary import TernaryMatrix
-from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.runtime.fallback import kv_cache_for, place_weight, refuse_partial_in_strict_mode
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider, native_operations
 
 if TYPE_CHECKING:
     from bitnet.modelfile.model import Model
@@ -33,7 +34,12 @@ class _Layer:
 
 
 class Transformer:
-    """Weights resident on one provider, a KV cache of n_ctx positions, and the forward pass."""
+    """Weights resident on one provider, a KV cache of n_ctx positions, and the forward pass.
+
+    The forward pass calls the provider for every operation; one it does not implement runs
+    on the host (bitnet.runtime.fallback), so weights read only by such operations stay on the
+    host and are not uploaded.
+    """
 
     def __init__(self, model: Model, provider: KernelProvider, n_ctx: int, act_quant: str) -> None:
         if act_quant not in ACT_QUANT_MODES:
@@ -45,19 +51,24 @@ class Transformer:
         if cfg.activation not in ACTIVATIONS:
             raise ModelError(f"unsupported FFN activation {cfg.activation!r}")
         self.config, self.provider, self.n_ctx, self.act_quant = cfg, provider, n_ctx, act_quant
-        p = provider
-        self.token_embd = p.upload_float(model.token_embd)
-        self.lm_head = self.token_embd if model.output is None else p.upload_float(model.output)
-        self.output_norm = p.upload_float(model.output_norm)
+        refuse_partial_in_strict_mode(provider)  # before anything is uploaded or computed
+        p, native = provider, native_operations(provider)
+        self.token_embd = place_weight(p, "embed", model.token_embd)
+        if model.output is None and ("embed" in native) == ("lm_head" in native):
+            self.lm_head = self.token_embd  # tied, and both read from the same side: one copy
+        else:
+            head = model.token_embd if model.output is None else model.output
+            self.lm_head = place_weight(p, "lm_head", head)
+        self.output_norm = place_weight(p, "rmsnorm", model.output_norm)
 
         def upload(a: TernaryMatrix | np.ndarray | None) -> Any:
             if a is None:
                 return None
-            return p.upload_ternary(a) if isinstance(a, TernaryMatrix) else p.upload_float(a)
+            return p.upload_ternary(a) if isinstance(a, TernaryMatrix) else place_weight(p, "rmsnorm", a)
 
         names = [f.name for f in fields(_Layer)]
         self.layers = [_Layer(**{k: upload(getattr(lw, k)) for k in names}) for lw in model.layers]
-        self.cache = p.kv_cache(cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
+        self.cache = kv_cache_for(p, cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
         self.n_past = 0  # positions 0..n_past-1 of the cache hold valid K and V
 
     def reset(self) -> None:

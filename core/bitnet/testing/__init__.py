@@ -11,7 +11,9 @@ Run it against your plugin from your own test suite::
         return request.param
 
 The checks are also plain functions (`check_probe`, `check_selection`, `check_provider`)
-that raise AssertionError with a message saying what broke the contract.
+that raise AssertionError with a message saying what broke the contract, and
+`operation_support(provider)` says which operations a provider runs natively and which
+core runs on the host by fallback.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from bitnet.modelfile.ternary import from_values
 from bitnet.plugins.registry import Registry
 from bitnet.plugins.selection import select
 from bitnet.plugins.types import Backend, Device, ProbeResult
-from bitnet.runtime.provider import KernelProvider
+from bitnet.runtime.fallback import kv_cache_for, place_weight
+from bitnet.runtime.provider import OPERATIONS, KernelProvider, native_operations
 
 NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 
@@ -76,8 +79,19 @@ def _random_case(rng: np.random.Generator, n: int, rows: int, cols: int) -> tupl
     return x, from_values(t, scales)
 
 
-def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) -> None:
-    """Every kernel against the NumPy reference on random inputs, within rtol of the largest value."""
+def operation_support(provider: KernelProvider) -> dict[str, str]:
+    """Where each operation runs: "native" (the provider's own kernel) or "fallback" (core's
+    NumPy reference on the host, counted in `provider.fallbacks`)."""
+    native = native_operations(provider)
+    return {op: "native" if op in native else "fallback" for op in OPERATIONS}
+
+
+def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) -> dict[str, str]:
+    """Every operation against the NumPy reference on random inputs, within rtol of the largest value.
+
+    Native operations check the provider's kernels; fallback operations check that activations
+    cross to the host and back (`to_host`, `from_host`) intact. Returns operation_support.
+    """
     from bitnet.runtime.reference import ReferenceProvider
 
     ref = ReferenceProvider()
@@ -90,41 +104,33 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
         err = float(np.abs(got_h - want_h).max()) / scale
         assert err <= rtol, f"{op}: max error {err:.2e} of the largest value exceeds {rtol:.0e}"
 
-    def both(method: str, *args: Any, **kw: Any) -> tuple[Any, Any]:
-        def up(p: KernelProvider, a: Any) -> Any:
-            return p.upload_float(a) if isinstance(a, np.ndarray) else a
-
-        return (getattr(provider, method)(*(up(provider, a) for a in args), **kw),
-                getattr(ref, method)(*(up(ref, a) for a in args), **kw))
-
     dim, heads, kv_heads, head_dim, vocab = 256, 4, 2, 64, 300
     table = rng.standard_normal((vocab, dim)).astype(np.float16)
+    # Weights go where the transformer puts them: on the device only for a native operation.
+    embd, head = place_weight(provider, "embed", table), place_weight(provider, "lm_head", table)
     ids = rng.integers(0, vocab, size=5).astype(np.int32)
-    got, want = provider.embed(provider.upload_float(table), ids), ref.embed(ref.upload_float(table), ids)
-    same("embed", got, want)
+    same("embed", provider.embed(embd, ids), ref.embed(table, ids))
     for n in (1, 7):
         x = rng.standard_normal((n, dim)).astype(np.float32)
         w = rng.uniform(0.5, 1.5, dim).astype(np.float32)
-        xg, xr = provider.upload_float(x), ref.upload_float(x)
-        same("rmsnorm", provider.rmsnorm(xg, provider.upload_float(w), 1e-5),
-             ref.rmsnorm(xr, ref.upload_float(w), 1e-5))
-        same("rope", provider.rope(xg, heads, head_dim, 3, 10000.0), ref.rope(xr, heads, head_dim, 3, 10000.0))
+        xg = provider.upload_float(x)
+        same("rmsnorm", provider.rmsnorm(xg, place_weight(provider, "rmsnorm", w), 1e-5), ref.rmsnorm(x, w, 1e-5))
+        same("rope", provider.rope(xg, heads, head_dim, 3, 10000.0), ref.rope(x, heads, head_dim, 3, 10000.0))
         y = rng.standard_normal((n, dim)).astype(np.float32)
-        yg, yr = provider.upload_float(y), ref.upload_float(y)
-        same("add", provider.add(xg, yg), ref.add(xr, yr))
+        yg = provider.upload_float(y)
+        same("add", provider.add(xg, yg), ref.add(x, y))
         for act in ("silu", "relu2"):
-            same(f"act_mul[{act}]", provider.act_mul(xg, yg, act), ref.act_mul(xr, yr, act))
-        same("last_row", provider.last_row(xg), ref.last_row(xr))
-        same("lm_head", provider.lm_head(xg, provider.upload_float(table)), ref.lm_head(xr, ref.upload_float(table)))
-        got_arg = provider.argmax(provider.lm_head(xg, provider.upload_float(table)))
-        want_arg = ref.argmax(ref.lm_head(xr, ref.upload_float(table)))
+            same(f"act_mul[{act}]", provider.act_mul(xg, yg, act), ref.act_mul(x, y, act))
+        same("last_row", provider.last_row(xg), ref.last_row(x))
+        same("lm_head", provider.lm_head(xg, head), ref.lm_head(x, table))
+        got_arg, want_arg = provider.argmax(provider.lm_head(xg, head)), ref.argmax(ref.lm_head(x, table))
         assert list(got_arg) == list(want_arg), f"argmax: {list(got_arg)} != reference {list(want_arg)}"
         xq, w3 = _random_case(rng, n, 384, 512)
         for mode in ("row", "block256", "none"):
             same(f"bitlinear[{mode}]", provider.bitlinear(provider.upload_float(xq), provider.upload_ternary(w3), mode),
-                 ref.bitlinear(ref.upload_float(xq), ref.upload_ternary(w3), mode))
+                 ref.bitlinear(xq, w3, mode))
     # Attention: a prefill of 5 positions then two decode steps through the KV cache.
-    caches = provider.kv_cache(2, 16, kv_heads, head_dim), ref.kv_cache(2, 16, kv_heads, head_dim)
+    caches = kv_cache_for(provider, 2, 16, kv_heads, head_dim), ref.kv_cache(2, 16, kv_heads, head_dim)
     pos = 0
     for n in (5, 1, 1):
         q = rng.standard_normal((n, heads * head_dim)).astype(np.float32)
@@ -135,3 +141,4 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
         same(f"attention[pos0={pos}, n={n}]", *outs)
         pos += n
     assert provider.dispatches, "the provider recorded no kernel dispatch"
+    return operation_support(provider)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bitnet import check_probe, check_provider, check_selection
+from bitnet.testing import check_probe, check_provider, check_selection
 from bitnet.plugins.registry import Registry
 
 
@@ -27,12 +27,17 @@ def test_selection_by_name_alias_and_index(backend_name: str, bitnet_registry: R
 
 
 def test_kernels_match_the_reference(backend_name: str, bitnet_registry: Registry) -> None:
+    """Native operations against the reference; fallback operations run, and are counted, on the host."""
     backend = bitnet_registry.entries[backend_name].backend
     probe = bitnet_registry.probe(backend_name)
     if not probe.devices:
         pytest.skip(f"{backend_name}: {probe.reason}")
     provider = backend.open(probe.devices[0])
     try:
-        check_provider(provider)
+        support = check_provider(provider)
     finally:
         provider.close()
+    print(f"{backend_name}: " + ", ".join(f"{op} {where}" for op, where in support.items()))  # pytest -rP
+    counted = {op for op, _ in provider.fallbacks}
+    uncounted = [op for op, where in support.items() if where == "fallback" and op not in counted]
+    assert not uncounted, f"fallback operations that ran but were not counted: {uncounted}"
