@@ -7,10 +7,12 @@ import site
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from bitnet.runtime.provider import OPERATIONS
 from conftest import ROOT, cli_env, run_cli
 
 
@@ -40,11 +42,54 @@ def test_example_plugin_is_discovered_selected_and_listed(example_venv):
     assert run_cli("--device", "ex", python=py, env=env).stdout.endswith("selected=example\n")
     plugins = {p["name"]: p for p in json.loads(run_cli("plugins", "--json", python=py, env=env).stdout)}
     assert plugins["example"]["distribution"] == "bitnet-example"
-    assert plugins["example"]["version"] == "0.2.0" and plugins["example"]["backends"] == ["example"]
+    assert plugins["example"]["version"] == "0.3.0" and plugins["example"]["backends"] == ["example"]
     devices = json.loads(run_cli("devices", "--json", python=py, env=env).stdout)
     assert any(d["backend"] == "example" and d["available"] for d in devices)
     # The plain environment does not have it: discovery really reads installed metadata.
     assert "example" not in json.dumps(json.loads(run_cli("plugins", "--json", env=env).stdout))
+
+
+def reference_run(prompt: str, max_tokens: int) -> tuple[str, Counter[str]]:
+    """The greedy text of the default model on core's reference provider, and its dispatch counts."""
+    import bitnet
+    from bitnet.runtime.engine import Engine
+    from bitnet.runtime.reference import ReferenceProvider
+    from bitnet.runtime.transformer import Transformer
+
+    with bitnet.load(device="cpu") as cpu:
+        ref = ReferenceProvider()
+        engine = Engine(cpu.selection, ref, cpu.model, cpu.tokenizer, Transformer(cpu.model, ref, cpu.n_ctx, "row"))
+        return "".join(engine.generate(prompt, max_tokens=max_tokens)), ref.dispatches
+
+
+def test_bitlinear_only_plugin_runs_a_model_and_its_receipt_counts_each_fallback(example_venv, tmp_path, cpu_env):
+    py, env, path = str(example_venv / "bin/python"), cli_env(BITNET_DISABLE_PLUGINS="opencl"), tmp_path / "r.json"
+    prompt, n = "The quick brown fox", 8
+    r = run_cli("--device", "example", "run", "-p", prompt, "-n", str(n), "--receipt", str(path), python=py, env=env)
+    assert r.returncode == 0, r.stderr
+    text, ref_calls = reference_run(prompt, n)
+    assert r.stdout == text + "\n"  # the same tokens as the reference provider
+    receipt = json.loads(path.read_text())
+    assert receipt["selection"]["backend"] == "example"
+    # One call of the plugin's kernel per reference bitlinear; every other call a counted fallback.
+    assert receipt["kernels"] == [{"name": "example.bitlinear", "count": ref_calls["ref.bitlinear"]}]
+    fallbacks = {f["operation"]: (f["count"], f["reason"]) for f in receipt["fallbacks"]}
+    assert fallbacks == {op: (ref_calls[f"ref.{op}"], "not implemented by backend 'example'")
+                         for op in OPERATIONS if op != "bitlinear"}
+    total = sum(count for count, _ in fallbacks.values())
+    r = run_cli("receipt", "verify", str(path), "--max-fallbacks", str(total - 1), env=env)
+    assert r.returncode == 5 and f"max-fallbacks: {total} CPU fallback(s)" in r.stdout + r.stderr
+    assert run_cli("receipt", "verify", str(path), "--max-fallbacks", str(total), env=env).returncode == 0
+
+
+def test_bitlinear_only_plugin_fails_in_strict_mode_naming_operation_and_backend(example_venv, tmp_path, cpu_env):
+    py, path = str(example_venv / "bin/python"), tmp_path / "r.json"
+    env = cli_env(BITNET_DISABLE_PLUGINS="opencl", BITNET_STRICT_MODE="1")
+    r = run_cli("--device", "example", "run", "-p", "hi", "-n", "2", "--receipt", str(path), python=py, env=env)
+    assert r.returncode == 3 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "backend 'example'" in lines[0] and "rmsnorm" in lines[0], r.stderr
+    assert not path.exists()
 
 
 def fake_distribution(root: Path, dist: str, version: str, module: str, code: str) -> dict[str, str]:

@@ -1,27 +1,28 @@
-"""A complete third-party backend: one module, one hookimpl, one entry point.
+"""The smallest complete third-party backend: one hookimpl, one entry point, one kernel.
 
-It runs bitnet's NumPy reference kernels; a real backend overrides their methods with its
-own kernels (see docs/writing-a-backend.md).
+Its provider (provider.py, imported only when a device is opened) implements `bitlinear` in
+NumPy and nothing else; core runs every other operation on the host through its reference
+kernels and counts each such call as a fallback in the run's receipt. See
+docs/writing-a-backend.md.
 """
 
 from __future__ import annotations
 
 import bitnet
-from bitnet.plugins.types import Backend, Device, ProbeResult
 
 
-def probe() -> ProbeResult:
-    return ProbeResult((Device("example", 0, "example reference device", vendor="example.org"),))
+def probe() -> bitnet.ProbeResult:
+    return bitnet.ProbeResult((bitnet.Device("example", 0, "example NumPy device", vendor="example.org"),))
 
 
-def open_device(device: Device):
-    from bitnet.runtime.reference import ReferenceProvider
+def open_device(device: bitnet.Device) -> bitnet.KernelProvider:
+    from bitnet_example.provider import ExampleProvider
 
-    return ReferenceProvider(backend="example", device=device)
+    return ExampleProvider("example", device)
 
 
 @bitnet.hookimpl
-def bitnet_backends() -> list[Backend]:
+def bitnet_backends() -> list[bitnet.Backend]:
     # Priority 5: below the bundled cpu backend, so `auto` never picks it over real kernels.
-    return [Backend("example", "cpu", 5, probe, open_device, aliases=("ex",),
-                    description="example third-party backend (NumPy reference kernels)")]
+    return [bitnet.Backend("example", "cpu", 5, probe, open_device, aliases=("ex",),
+                           description="example third-party backend (NumPy bitlinear, the rest by fallback)")]
