@@ -62,3 +62,56 @@ def test_distribution_matches_probabilities() -> None:
 def test_bad_parameters_are_usage_errors(kwargs: dict) -> None:
     with pytest.raises(UsageError):
         Sampler(**kwargs)
+
+
+def test_min_p_keeps_tokens_near_the_most_likely_before_temperature() -> None:
+    # p(token) / p(best) = exp(z - z_max): min_p 0.5 keeps z >= 3 - ln 2 = 2.307: tokens 1, 2, 4.
+    assert set(np.flatnonzero(probabilities(LOGITS, 1.0, min_p=0.5))) == {1, 2, 4}
+    assert set(np.flatnonzero(probabilities(LOGITS, 5.0, min_p=0.5))) == {1, 2, 4}  # temperature does not move it
+    assert set(np.flatnonzero(probabilities(LOGITS, 1.0, min_p=0.7))) == {1, 4}
+    s = Sampler(2.0, min_p=0.7, seed=1)
+    assert {s.sample_host(LOGITS) for _ in range(200)} == {1, 4}
+
+
+def test_logit_bias_steers_greedy_and_sampled_choices() -> None:
+    p = ReferenceProvider()
+    assert Sampler(0.0, logit_bias={"3": 100}).sample(p, LOGITS[None]) == 3
+    assert Sampler(0.0, logit_bias={1: -100, 4: -100}).sample(p, LOGITS[None]) == 2
+    assert p.dispatches["ref.argmax"] == 0  # biased logits are chosen on the host
+    s = Sampler(1.0, logit_bias={0: -100, 1: -100, 2: -100, 3: -100, 4: -100}, seed=0)
+    assert {s.sample_host(LOGITS) for _ in range(50)} == {5}
+
+
+def test_penalties_follow_llama_cpp() -> None:
+    history = [1, 1, 3, 0]
+    z = Sampler(repeat_penalty=2.0).adjust(LOGITS, history)
+    # Written out: positive logits are divided, negative multiplied, once per distinct token.
+    np.testing.assert_allclose(z, [0.5, 1.5, 2.5, -2.0, 3.0 - 1e-3, 0.0], rtol=1e-6)
+    z = Sampler(frequency_penalty=0.5, presence_penalty=0.25).adjust(LOGITS, history)
+    np.testing.assert_allclose(z, [0.25, 1.75, 2.5, -1.75, 3.0 - 1e-3, 0.0], rtol=1e-6)
+    # Only the last penalty_last_n tokens count.
+    np.testing.assert_allclose(Sampler(repeat_penalty=2.0, penalty_last_n=1).adjust(LOGITS, history)[1], 3.0)
+    assert Sampler(0.0, repeat_penalty=2.0).sample_host(LOGITS, history) == 4
+
+
+def test_logprobs_are_the_model_distribution() -> None:
+    c = Sampler(0.0, logprobs=3).pick_host(LOGITS)
+    lp = np.log(probabilities(LOGITS, 1.0))
+    assert c.token == 1 and abs(c.logprob - lp[1]) < 1e-9
+    assert [t for t, _ in c.top] == [1, 4, 2]
+    np.testing.assert_allclose([v for _, v in c.top], lp[[1, 4, 2]], rtol=1e-9)
+    assert Sampler(0.0).pick_host(LOGITS).logprob is None
+
+
+@pytest.mark.parametrize("kwargs", [{"min_p": 1.5}, {"repeat_penalty": 0.0}, {"presence_penalty": 3.0},
+                                    {"frequency_penalty": float("nan")}, {"logit_bias": {"x": 1}},
+                                    {"logit_bias": {"1": 101}}, {"logit_bias": [1]}, {"logprobs": 21},
+                                    {"logprobs": True}, {"penalty_last_n": -1}])
+def test_bad_new_parameters_are_usage_errors(kwargs: dict) -> None:
+    with pytest.raises(UsageError):
+        Sampler(**kwargs)
+
+
+def test_out_of_range_logit_bias_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="out of range"):
+        Sampler(0.0, logit_bias={"6": 1.0}).sample_host(LOGITS)
