@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from bitnet.plugins.types import Backend, Device, ProbeResult
+from bitnet.runtime.provider import OPERATIONS, KernelProvider
 from bitnet.runtime.reference import ReferenceProvider
-from bitnet.testing import check_probe, check_provider
+from bitnet.testing import check_probe, check_provider, operation_support
 from bitnet.testing.suite import *  # noqa: F403 (the kit's tests, parametrized below)
 
 
@@ -42,3 +43,25 @@ class WrongRoundingBitlinear(ReferenceProvider):
 def test_kit_rejects_a_broken_kernel(broken, op):
     with pytest.raises(AssertionError, match=op):
         check_provider(broken())
+
+
+def test_bundled_backends_run_every_operation_natively(backend_name, bitnet_registry):
+    probe = bitnet_registry.probe(backend_name)
+    if not probe.devices:
+        pytest.skip(f"{backend_name}: {probe.reason}")
+    provider = bitnet_registry.entries[backend_name].backend.open(probe.devices[0])
+    try:
+        assert operation_support(provider) == dict.fromkeys(OPERATIONS, "native")
+    finally:
+        provider.close()
+
+
+class AttentionLeftToCore(ReferenceProvider):
+    attention = KernelProvider.attention
+
+
+def test_kit_reports_an_operation_left_to_core_as_fallback():
+    provider = AttentionLeftToCore()
+    support = check_provider(provider)
+    assert support == {op: "fallback" if op == "attention" else "native" for op in OPERATIONS}
+    assert {op for op, _ in provider.fallbacks} == {"attention"}

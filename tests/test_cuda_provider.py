@@ -22,6 +22,7 @@ from bitnet.errors import NoBackendError, UsageError
 from bitnet.modelfile.ternary import from_values
 from bitnet.plugins.types import Device
 from bitnet.runtime.reference import ReferenceProvider
+from bitnet.testing import operation_support
 
 
 def signatures() -> dict[str, str]:
@@ -29,7 +30,7 @@ def signatures() -> dict[str, str]:
     out = {}
     for m in re.finditer(r"^KERNEL\s+(\w+)\s*\(([^)]*)\)", kernels_src.source("cuda"), re.M):
         params = [" ".join(p.split()) for p in m.group(2).split(",")]
-        out[m.group(1)] = "".join("P" if "*" in p else "Q" if "long long" in p
+        out[m.group(1)] = "".join("P" if "*" in p else "Q" if p.startswith("U64")
                                   else "f" if p.startswith("float") else "i" if p.startswith("int") else "?"
                                   for p in params)
     return out
@@ -361,6 +362,8 @@ def test_logits_match_the_cpu_backend_end_to_end(cpu_env, monkeypatch):
         want = cpu_engine.logits(ids)
     with bitnet.load(device="cuda") as cuda_engine:
         got = cuda_engine.logits(ids)
+        # An operation the provider stopped implementing would run on the host and be counted.
+        assert set(operation_support(cuda_engine.provider).values()) == {"native"}
         assert cuda_engine.provider.backend == "cuda" and not cuda_engine.provider.fallbacks
         assert cuda_engine.provider.leaks() == []
     assert got.shape == want.shape

@@ -231,6 +231,21 @@ def test_fallbacks_reach_the_receipt_with_reason_and_count(cpu_engine: Engine) -
     assert checks(receipts.verify(r, max_fallbacks=0)) == {"max-fallbacks"}
 
 
+class CpuWithoutRope(CpuProvider):
+    """A CPU provider that leaves rope to core, as a backend without that kernel does."""
+
+    rope = KernelProvider.rope
+
+
+def test_an_operation_the_backend_lacks_reaches_the_receipt_as_a_fallback(cpu_engine: Engine) -> None:
+    with engine_with(CpuWithoutRope(cpu_engine.selection.device), cpu_engine) as engine:
+        r = receipts.build(engine, generate(engine), SAMPLING)
+    n_calls = 2 * cpu_engine.config.n_layers * SAMPLING["max_tokens"]  # q and k, per layer, per forward pass
+    assert r["fallbacks"] == [{"operation": "rope", "reason": "not implemented by backend 'cpu'", "count": n_calls}]
+    assert not any("rope" in k["name"] for k in r["kernels"])
+    assert checks(receipts.verify(r, max_fallbacks=0)) == {"max-fallbacks"}
+
+
 # -- fake devices ------------------------------------------------------------------------------------------
 
 def test_fake_device_receipt_is_fake_and_fails_require_real(env: pytest.MonkeyPatch) -> None:
