@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bitnet.testing import check_probe, check_provider, check_selection
 from bitnet.plugins.registry import Registry
+from bitnet.testing import check_probe, check_provider, check_selection
 
 
 @pytest.fixture
