@@ -1,11 +1,15 @@
-"""The CPU plugin's numba kernels against the NumPy reference: exact integer sums, tight float tolerances."""
+"""The CPU plugin's numba kernels against the NumPy reference: exact integer sums, tight float tolerances.
+
+Every test of a ternary kernel runs at each instruction-set level this machine runs (`isa.host_levels()`:
+avx2 and generic on an AVX2-only CPU; also avxvnni and avx512vnni on an AVX-512 VNNI one), in one process.
+Integer paths are bit-exact against the reference and across levels. Float results carry a stated
+tolerance: FLOAT_TOL for float32 sums taken in another order.
+"""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import textwrap
 
 import numba
 import numpy as np
@@ -14,17 +18,33 @@ import pytest
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.reference import ReferenceProvider
-from bitnet_cpu import ternary_kernels as tk
+from bitnet_cpu import isa, ternary_ir
 from bitnet_cpu.provider import CpuProvider
 
 REF = ReferenceProvider()
+LEVELS = isa.host_levels()
+# float32 sums of the same terms in another order (BLAS blocking, SIMD width): within a few ulps of
+# the largest output. A wrong layout or a lost field is off by O(1) of it.
+FLOAT_TOL = 1e-6
+
+
+def provider(threads: int, level: str | None = None) -> CpuProvider:
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip(f"numba runs at most {numba.config.NUMBA_NUM_THREADS} threads here")
+    return CpuProvider(n_threads=threads, isa=level)
+
+
+@pytest.fixture(params=[(level, n) for level in LEVELS for n in (1, 2)],
+                ids=[f"{level}-{n}thread" for level in LEVELS for n in (1, 2)])
+def cpu(request: pytest.FixtureRequest) -> CpuProvider:
+    """A provider at each level this host runs, with 1 and 2 threads (ternary kernels)."""
+    return provider(request.param[1], request.param[0])
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def cpu(request: pytest.FixtureRequest) -> CpuProvider:
-    if request.param > numba.config.NUMBA_NUM_THREADS:
-        pytest.skip(f"numba runs at most {numba.config.NUMBA_NUM_THREADS} threads here")
-    return CpuProvider(n_threads=request.param)
+def cpu_float(request: pytest.FixtureRequest) -> CpuProvider:
+    """A provider at the host's level (float kernels: one build for every level)."""
+    return provider(request.param)
 
 
 def ternary(rng: np.random.Generator, rows: int, cols: int, block_scales: bool, unit: bool = False):
@@ -42,6 +62,15 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
 
 
+def assert_same(got: np.ndarray, want: np.ndarray, mode: str) -> None:
+    """Integer paths ("row", "block256") bit for bit; the float path ("none") within FLOAT_TOL."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    if mode == "none":
+        assert rel_err(got, want) < FLOAT_TOL, rel_err(got, want)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
 # -- quantization: the same int8 values and scales as the reference, bit for bit -------------------
 
 # Byte order for weights whose fields are reversed (I2_S): field f holds the columns of field 3 - f.
@@ -49,7 +78,8 @@ _lane = np.arange(BLOCK)
 MIRRORED_PERM = 128 * ((_lane % 64) // 32) + 32 * (3 - _lane // 64) + _lane % 32
 
 
-def test_quantize_rows_is_bit_exact() -> None:
+@pytest.mark.parametrize("level", LEVELS)
+def test_quantize_rows_is_bit_exact(level: str) -> None:
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 100, (6, 1))).astype(np.float32)
     x[1] = 0.0  # an all-zero row: s = 1, q = 0
@@ -58,23 +88,24 @@ def test_quantize_rows_is_bit_exact() -> None:
     q, s, qsum = np.empty((6, 512), np.int8), np.empty(6, np.float32), np.empty((6, 2), np.int32)
     want_q, want_s = ref_mod.quantize_rows(x)
     want_q = want_q.reshape(6, 2, BLOCK)
-    for rev, perm in ((False, tk.PERM), (True, MIRRORED_PERM)):
-        tk.quantize_rows(x, q, s, qsum, rev)
+    for rev, perm in ((False, ternary_ir.PERM), (True, MIRRORED_PERM)):
+        isa.kernels(level).quantize_rows(x, q, s, qsum, rev)
         np.testing.assert_array_equal(s, want_s)
         np.testing.assert_array_equal(q.reshape(6, 2, BLOCK), want_q[:, :, perm])
         np.testing.assert_array_equal(qsum, want_q.sum(axis=2))
 
 
-def test_quantize_q8k_is_bit_exact() -> None:
+@pytest.mark.parametrize("level", LEVELS)
+def test_quantize_q8k_is_bit_exact(level: str) -> None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 768)).astype(np.float32)
     x[0, 256:512] = 0.0  # an all-zero block: d = 0, q = 0
     x[1, 5], x[1, 9] = -4.0, 4.0  # equal magnitudes: the first one sets the sign of iscale
     q, d, qsum = np.empty((3, 768), np.int8), np.empty((3, 3), np.float32), np.empty((3, 3), np.int32)
-    tk.quantize_q8k(x, q, d, qsum, False)
+    isa.kernels(level).quantize_q8k(x, q, d, qsum, False)
     want_q, want_d = ref_mod.quantize_q8k(x)
     np.testing.assert_array_equal(d, want_d)
-    np.testing.assert_array_equal(q.reshape(3, 3, BLOCK), want_q[:, :, tk.PERM])
+    np.testing.assert_array_equal(q.reshape(3, 3, BLOCK), want_q[:, :, ternary_ir.PERM])
     np.testing.assert_array_equal(qsum, want_q.sum(axis=2))
 
 
@@ -96,37 +127,93 @@ def test_integer_sums_are_exact(cpu: CpuProvider, rows: int, cols: int, n: int) 
 @pytest.mark.parametrize("rows, cols, n", [(64, 256, 1), (67, 512, 7), (200, 1280, 129), (5, 2560, 4)])
 def test_bitlinear_matches_reference(cpu: CpuProvider, mode: str, block_scales: bool, rows: int, cols: int,
                                      n: int) -> None:
+    # The integer paths follow the reference's float64 epilogue operation for operation: bit-exact.
     rng = np.random.default_rng(rows + cols + n)
     w = ternary(rng, rows, cols, block_scales)
     x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 10, (n, 1))).astype(np.float32)
     x[-1, :BLOCK] = 0.0  # an all-zero block (a zero Q8_K scale)
     if n > 2:
         x[1] = 0.0  # an all-zero row
-    got = cpu.bitlinear(x, cpu.upload_ternary(w), mode)
-    want = REF.bitlinear(x, w, mode)
-    assert got.dtype == np.float32 and got.shape == (n, rows)
-    assert rel_err(got, want) < (1e-5 if mode == "none" else 1e-6)
+    assert_same(cpu.bitlinear(x, cpu.upload_ternary(w), mode), REF.bitlinear(x, w, mode), mode)
+
+
+def file_layout(rng: np.random.Generator, w: TernaryMatrix, layout: str) -> TernaryMatrix:
+    """w's codes as a model file holds them: TQ2_0 blocks of 64 code bytes then 2 scale bytes (random
+    here, so a kernel that ignored the block stride would read them as codes), or I2_S bytes with
+    their four codes in reverse order."""
+    if layout == "tq2_0":
+        raw = rng.integers(0, 256, (w.rows, w.cols // BLOCK, 66), dtype=np.uint8)
+        raw[:, :, :64] = w.blocks()
+        return TernaryMatrix(raw[:, :, :64], w.scales)
+    return TernaryMatrix(reverse_fields(w.packed()), w.scales, fields_reversed=True)
 
 
 @pytest.mark.parametrize("mode", ["row", "block256", "none"])
 @pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
 def test_bitlinear_reads_weights_in_file_layouts(cpu: CpuProvider, mode: str, layout: str) -> None:
-    # TQ2_0 weights stay in the file: 64 code bytes, then 2 scale bytes (random here, so a kernel
-    # that ignored the block stride would read them as codes and be wrong). I2_S bytes hold
-    # their four codes in reverse order.
+    # "none" sums float32 products with BLAS, whose order follows the column permutation of the
+    # layout: I2_S and canonical results differ in the last bits (1.5e-5 of outputs ~100 on an EPYC).
     rng = np.random.default_rng(11)
     w = ternary(rng, 70, 768, block_scales=True)
-    if layout == "tq2_0":
-        raw = rng.integers(0, 256, (70, 3, 66), dtype=np.uint8)
-        raw[:, :, :64] = w.blocks()
-        strided = TernaryMatrix(raw[:, :, :64], w.scales)
-    else:
-        strided = TernaryMatrix(reverse_fields(w.packed()), w.scales, fields_reversed=True)
+    strided = file_layout(rng, w, layout)
     x = rng.standard_normal((5, 768)).astype(np.float32)
     for rows in (slice(0, 1), slice(0, 5)):  # decode and prefill
         got = cpu.bitlinear(x[rows], cpu.upload_ternary(strided), mode)
-        np.testing.assert_array_equal(got, cpu.bitlinear(x[rows], cpu.upload_ternary(w), mode))
-        assert rel_err(got, REF.bitlinear(x[rows], w, mode)) < (1e-5 if mode == "none" else 1e-6)
+        assert_same(got, cpu.bitlinear(x[rows], cpu.upload_ternary(w), mode), mode)
+        assert_same(got, REF.bitlinear(x[rows], w, mode), mode)
+
+
+@pytest.mark.parametrize("mode", ["row", "none"])
+def test_a_misread_layout_fails_the_layout_check(cpu_float: CpuProvider, mode: str) -> None:
+    # What test_bitlinear_reads_weights_in_file_layouts guards against, shown to fail it: I2_S bytes
+    # read in canonical field order, and TQ2_0 blocks read two bytes late (scale bytes as codes).
+    rng = np.random.default_rng(11)
+    w = ternary(rng, 70, 768, block_scales=True)
+    x = rng.standard_normal((5, 768)).astype(np.float32)
+    want = cpu_float.bitlinear(x, cpu_float.upload_ternary(w), mode)
+    raw = rng.integers(0, 256, (70, 3, 66), dtype=np.uint8)
+    raw[:, :, :64] = w.blocks()
+    for broken in (TernaryMatrix(reverse_fields(w.packed()), w.scales, fields_reversed=False),
+                   TernaryMatrix(raw[:, :, 2:], w.scales)):
+        with pytest.raises(AssertionError):
+            assert_same(cpu_float.bitlinear(x, cpu_float.upload_ternary(broken), mode), want, mode)
+
+
+@pytest.mark.parametrize("mode", ["row", "block256"])
+@pytest.mark.parametrize("layout", ["canonical", "tq2_0", "i2_s"])
+def test_levels_agree_bit_for_bit(mode: str, layout: str) -> None:
+    rng = np.random.default_rng(12)
+    w = ternary(rng, 130, 1280, block_scales=layout != "canonical")
+    w = w if layout == "canonical" else file_layout(rng, w, layout)
+    x = (rng.standard_normal((6, 1280)) * 3).astype(np.float32)
+    for rows in (slice(0, 1), slice(0, 6)):
+        outs = {level: provider(1, level).bitlinear(x[rows], provider(1, level).upload_ternary(w), mode)
+                for level in LEVELS}
+        for level, got in outs.items():
+            np.testing.assert_array_equal(got, outs["generic"], err_msg=f"{level} differs from generic")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_dot_product_that_drops_a_field_fails(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The checks above can fail: the same kernels built from IR that ignores the fourth 2-bit field
+    # of every code byte (uncached, so the broken machine code never reaches the disk cache).
+    from llvmlite import ir
+
+    real_codes = ternary_ir._Block.codes
+
+    def drop_last_field(self: ternary_ir._Block, wptr: ir.Value) -> list[ir.Value]:
+        return [ir.Constant(c.type, None) if i % 4 == 3 else c for i, c in enumerate(real_codes(self, wptr))]
+
+    monkeypatch.setattr(ternary_ir._Block, "codes", drop_last_field)
+    broken = CpuProvider(n_threads=1, isa=level)
+    broken._tk = isa.build(level, cache=False)
+    rng = np.random.default_rng(13)
+    w = ternary(rng, 9, 512, block_scales=False, unit=True)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    got = broken.bitlinear(x, broken.upload_ternary(w), "row")
+    with pytest.raises(AssertionError):
+        assert_same(got, REF.bitlinear(x, w, "row"), "row")
+    assert rel_err(got, REF.bitlinear(x, w, "row")) > 0.05  # a quarter of the weights lost, not rounding
 
 
 def test_extreme_codes_and_zero_weights(cpu: CpuProvider) -> None:
@@ -160,43 +247,43 @@ def test_dispatches_name_the_kernel(cpu: CpuProvider) -> None:
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("vocab, n", [(1, 1), (1000, 1), (1537, 3)])
-def test_lm_head(cpu: CpuProvider, dtype: type, vocab: int, n: int) -> None:
+def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, n: int) -> None:
     rng = np.random.default_rng(vocab + n)
     table = rng.standard_normal((vocab, 320)).astype(dtype)
     table[0, :5] = [np.finfo(np.float16).tiny / 4, -0.0, 65504.0 / 512, 1e-7, -6e-8]  # F16 subnormals too
     x = rng.standard_normal((n, 320)).astype(np.float32)
-    got = cpu.lm_head(x, cpu.upload_float(table))
+    got = cpu_float.lm_head(x, cpu_float.upload_float(table))
     want = REF.lm_head(x, REF.upload_float(table))
     assert got.shape == (n, vocab) and rel_err(got, want) < 1e-5
-    assert np.array_equal(cpu.argmax(got), REF.argmax(want))
+    assert np.array_equal(cpu_float.argmax(got), REF.argmax(want))
 
 
-def test_attention_prefill_then_decode(cpu: CpuProvider) -> None:
+def test_attention_prefill_then_decode(cpu_float: CpuProvider) -> None:
     rng = np.random.default_rng(4)
     heads, kv_heads, hd = 8, 2, 64
-    caches = cpu.kv_cache(2, 40, kv_heads, hd), REF.kv_cache(2, 40, kv_heads, hd)
+    caches = cpu_float.kv_cache(2, 40, kv_heads, hd), REF.kv_cache(2, 40, kv_heads, hd)
     pos = 0
     for n in (7, 1, 1, 29):
         q = rng.standard_normal((n, heads * hd)).astype(np.float32) * 3
         k = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)
         v = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)
-        got = cpu.attention(q, k, v, caches[0], 1, pos, heads, kv_heads, hd)
+        got = cpu_float.attention(q, k, v, caches[0], 1, pos, heads, kv_heads, hd)
         want = REF.attention(q, k, v, caches[1], 1, pos, heads, kv_heads, hd)
         assert rel_err(got, want) < 1e-5, (pos, n)
         pos += n
 
 
 @pytest.mark.parametrize("n", [1, 5])
-def test_elementwise_kernels(cpu: CpuProvider, n: int) -> None:
+def test_elementwise_kernels(cpu_float: CpuProvider, n: int) -> None:
     rng = np.random.default_rng(5 + n)
     x = (rng.standard_normal((n, 384)) * 4).astype(np.float32)
     y = rng.standard_normal((n, 384)).astype(np.float32)
     w = rng.uniform(0.5, 1.5, 384).astype(np.float32)
-    assert rel_err(cpu.rmsnorm(x, w, 1e-5), REF.rmsnorm(x, w, 1e-5)) < 1e-6
-    assert rel_err(cpu.rope(x, 3, 128, 1000, 500000.0), REF.rope(x, 3, 128, 1000, 500000.0)) < 1e-6
+    assert rel_err(cpu_float.rmsnorm(x, w, 1e-5), REF.rmsnorm(x, w, 1e-5)) < 1e-6
+    assert rel_err(cpu_float.rope(x, 3, 128, 1000, 500000.0), REF.rope(x, 3, 128, 1000, 500000.0)) < 1e-6
     for act in ("silu", "relu2"):
-        assert rel_err(cpu.act_mul(x, y, act), REF.act_mul(x, y, act)) < 1e-6
-    np.testing.assert_array_equal(cpu.add(x, y), REF.add(x, y))
+        assert rel_err(cpu_float.act_mul(x, y, act), REF.act_mul(x, y, act)) < 1e-6
+    np.testing.assert_array_equal(cpu_float.add(x, y), REF.add(x, y))
 
 
 def test_threads_give_the_same_results() -> None:
@@ -230,39 +317,7 @@ def test_thread_count_applies_in_any_calling_thread() -> None:
     assert seen == [1]
 
 
-# -- the other instruction sets, and the import cost ---------------------------------------------------
-
-_ISA_CHECK = textwrap.dedent("""
-    import numpy as np
-    from bitnet.runtime.reference import ReferenceProvider
-    from bitnet.modelfile.ternary import from_values
-    from bitnet_cpu import ternary_kernels as tk
-    from bitnet_cpu.provider import CpuProvider
-    assert tk.ISA == "{isa}", tk.ISA
-    rng = np.random.default_rng(0)
-    cpu, ref = CpuProvider(), ReferenceProvider()
-    for rows, cols, n, scale in [(5, 256, 1, 1.0), (70, 768, 6, rng.uniform(0.5, 2, (70, 3)))]:
-        w = from_values(rng.integers(-1, 2, (rows, cols)).astype(np.int8), np.float32(scale))
-        x = rng.standard_normal((n, cols)).astype(np.float32)
-        for mode in ("row", "block256"):
-            got, want = cpu.bitlinear(x, cpu.upload_ternary(w), mode), ref.bitlinear(x, w, mode)
-            err = np.abs(got - want).max() / np.abs(want).max()
-            assert err < 1e-6, (rows, mode, err)
-    print("ok")
-""")
-
-
-@pytest.mark.parametrize("isa", ["avx2", "generic"])
-def test_other_instruction_sets(isa: str) -> None:
-    from llvmlite import binding
-
-    if isa == "avx2" and not binding.get_host_cpu_features().get("avx2"):
-        pytest.skip("the host has no AVX2")
-    env = {**os.environ, "BITNET_CPU_ISA": isa}  # also turns the disk cache off for that process
-    r = subprocess.run([sys.executable, "-c", _ISA_CHECK.format(isa=isa)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
-
+# -- the import cost ---------------------------------------------------------------------------------
 
 def test_import_does_not_load_numba() -> None:
     code = "import sys, bitnet_cpu; bitnet_cpu.probe(); assert 'numba' not in sys.modules, 'numba imported'"

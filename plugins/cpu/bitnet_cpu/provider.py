@@ -3,10 +3,11 @@
 Ternary weights stay packed (2 bits each, the canonical layout is also the kernel's layout),
 TQ2_0 and I2_S in place in the memory-mapped file.
 BitLinear quantizes activations to int8 and runs the SIMD integer kernels of
-`ternary_kernels`; the F16 LM head and RMSNorm run in `float_kernels`. Unquantized ("none")
-BitLinear keeps the NumPy path: it unpacks a chunk of rows at a time through a 256-entry
-table into float32 and multiplies with BLAS. numba is imported when a provider is opened,
-never by `import bitnet_cpu`, and compiles each kernel on first use into its disk cache.
+`ternary_kernels`, built for the instruction-set level `isa.choose()` picks; the F16 LM head
+and RMSNorm run in `float_kernels`. Unquantized ("none") BitLinear keeps the NumPy path: it
+unpacks a chunk of rows at a time through a 256-entry table into float32 and multiplies with
+BLAS. numba is imported when a provider is opened, never by `import bitnet_cpu`, and compiles
+each kernel on first use into its disk cache.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import numba
 import numpy as np
 
 from bitnet.errors import UsageError
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
 from bitnet.runtime.provider import ACTIVATIONS
 from bitnet.runtime.reference import ReferenceProvider, check_act_quant, store_kv
-from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
 
 from . import float_kernels as fk
-from . import ternary_kernels as tk
+from . import isa as isa_levels
 from . import threads
 
 # Byte -> its four 2-bit codes (low bits first) decoded to -1/0/+1. Each entry's four float32
@@ -96,8 +97,12 @@ _bounded_openmp_spinning()
 class CpuProvider(ReferenceProvider):
     prefix = "cpu"
 
-    def __init__(self, device: Any = None, backend: str = "cpu", n_threads: int | None = None) -> None:
+    def __init__(self, device: Any = None, backend: str = "cpu", n_threads: int | None = None,
+                 isa: str | None = None) -> None:
+        """isa: an instruction-set level (see `isa.LEVELS`); default BITNET_CPU_ISA, else the host's best."""
         super().__init__(device, backend)
+        self.isa = isa_levels.choose(isa)
+        self._tk = isa_levels.kernels(self.isa)
         # numba cannot start more threads than it was configured with at import (NUMBA_NUM_THREADS).
         self.n_threads = max(1, min(n_threads or threads(), numba.config.NUMBA_NUM_THREADS))
         self._use_threads()
@@ -119,12 +124,12 @@ class CpuProvider(ReferenceProvider):
         x = np.ascontiguousarray(x, dtype=np.float32)
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
-            return tk.bitlinear_block256(x, w.blocks, w.scales, w.fields_reversed)
+            return self._tk.bitlinear_block256(x, w.blocks, w.scales, w.fields_reversed)
         if w.row_scales is not None:
             self.record("cpu.bitlinear_rowscale_row")
-            return tk.bitlinear_row_rowscale(x, w.blocks, w.row_scales, w.fields_reversed)
+            return self._tk.bitlinear_row_rowscale(x, w.blocks, w.row_scales, w.fields_reversed)
         self.record("cpu.bitlinear_blockscale_row")
-        return tk.bitlinear_row_blockscale(x, w.blocks, w.scales, w.fields_reversed)
+        return self._tk.bitlinear_row_blockscale(x, w.blocks, w.scales, w.fields_reversed)
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
         """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time."""

@@ -1,0 +1,182 @@
+"""Instruction-set levels of the ternary kernels: what the host runs, which one a process uses, and
+one compiled kernel set per level, each with its own disk cache.
+
+What runs where:
+
+| level | inner loop | runs on (llvmlite's host features) |
+| --- | --- | --- |
+| avx512vnni | 512-bit `vpdpbusd` | avx512f + avx512bw + avx512vnni (Ice Lake / Cascade Lake Xeons and later, Zen 4) |
+| avxvnni | 256-bit `vpdpbusd` | avxvnni (VEX; Alder Lake and later) or avx512vnni + avx512vl (EVEX) |
+| avx2 | `vpmaddubsw` + `vpmaddwd` | avx2 |
+| generic | portable LLVM vector IR | anything numba compiles for |
+
+Numba compiles for the host, and LLVM aborts the process on an intrinsic the host cannot run, so
+a level the host lacks is never compiled here; `ternary_ir.assembly()` checks such a level by
+compiling its IR for a CPU that has it, without running it.
+
+`ternary_kernels` is executed once per level as its own module (`bitnet_cpu.ternary_kernels_<level>`),
+so one process can hold every level its host runs (the tests compare them). Numba keys its disk cache
+by the function's file, name, signature and the host CPU, not by the globals an intrinsic reads,
+so each level gets a cache directory of its own: one level's machine code is never loaded as
+another's. The directory name also carries a hash of `ternary_ir.py`, whose IR numba inlines but
+does not track.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import itertools
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+from bitnet.errors import UsageError
+from bitnet.plugins.types import host_cpu_name
+
+from .ternary_ir import LEVELS
+
+_ENV = "BITNET_CPU_ISA"
+_NAMES = {"avx512": "avx512vnni", **{level: level for level in LEVELS}}
+_HERE = Path(__file__).resolve().parent
+
+
+@functools.cache
+def host_levels() -> tuple[str, ...]:
+    """The levels this host runs, best first (always ending with "generic")."""
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return ("generic",)  # numba compiles for another CPU (NUMBA_CPU_NAME): no host-specific intrinsics
+    from llvmlite import binding
+
+    f = binding.get_host_cpu_features()
+    has = {
+        "avx512vnni": f.get("avx512f") and f.get("avx512bw") and f.get("avx512vnni"),
+        "avxvnni": f.get("avxvnni") or (f.get("avx512vnni") and f.get("avx512vl")),
+        "avx2": f.get("avx2"),
+        "generic": True,
+    }
+    return tuple(level for level in LEVELS if has[level])
+
+
+def choose(requested: str | None = None) -> str:
+    """The level to use: `requested`, else BITNET_CPU_ISA, else the best the host runs.
+
+    Raises UsageError (exit 2) for an unknown name or a level this CPU lacks, naming what it has.
+    """
+    raw = (requested if requested is not None else os.environ.get(_ENV, "")).strip().lower()
+    levels = host_levels()
+    if not raw:
+        return levels[0]
+    level = _NAMES.get(raw)
+    source = f"{_ENV}={raw}" if requested is None else f"CPU ISA level {raw!r}"
+    if level is None:
+        raise UsageError(f"{source} is not a level; choose one of generic, avx2, avxvnni, avx512")
+    if level not in levels:
+        raise UsageError(f"{source}: this CPU ({host_cpu_name()}) lacks {level}; it runs {', '.join(levels)}")
+    return level
+
+
+# -- one kernel module per level ------------------------------------------------------------------------
+
+_loaded: dict[str, ModuleType] = {}
+_lock = threading.Lock()
+_serial = itertools.count()
+
+
+def kernels(level: str) -> ModuleType:
+    """The ternary kernel module of `level` (a name from LEVELS), built once per process, disk-cached."""
+    mod = _loaded.get(level)
+    if mod is None:
+        with _lock:
+            mod = _loaded.get(level) or build(level)
+            _loaded[level] = mod
+    return mod
+
+
+def build(level: str, cache: bool = True) -> ModuleType:
+    """A new instance of `ternary_kernels` for `level`; without `cache` it never touches the disk cache
+    (for kernels built from patched IR, as the tests do)."""
+    if level not in host_levels():
+        choose(level)  # raises the error that names what the CPU runs
+    directory = cache_dir(level) if cache else None
+    name = f"bitnet_cpu.ternary_kernels_{level}" + ("" if cache else f"_uncached{next(_serial)}")
+    spec = importlib.util.spec_from_file_location(name, _HERE / "ternary_kernels.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    mod.ISA, mod.CACHE = level, directory is not None
+    sys.modules[name] = mod  # numba finds a cached function's globals through its module name
+    announce_compiles()
+    with _numba_cache_dir(directory):
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def cache_dir(level: str) -> str | None:
+    """Where `level`'s kernels are cached: under NUMBA_CACHE_DIR, else this package's __pycache__,
+    else the user's cache directory; None when none is writable (they compile in every process)."""
+    from numba.core import config
+
+    stamp = hashlib.sha256((_HERE / "ternary_ir.py").read_bytes()).hexdigest()[:12]
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bitnet-cpu"
+    bases = [Path(config.CACHE_DIR)] if config.CACHE_DIR else [_HERE / "__pycache__", user]
+    for base in bases:
+        path = base / f"ternary-{level}-{stamp}"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError:
+            continue
+        return str(path)
+    return None
+
+
+@contextmanager
+def _numba_cache_dir(path: str | None) -> Iterator[None]:
+    """Numba picks a function's cache directory when it is decorated, from config.CACHE_DIR."""
+    from numba.core import config
+
+    saved = config.CACHE_DIR
+    config.CACHE_DIR = path or saved
+    try:
+        yield
+    finally:
+        config.CACHE_DIR = saved
+
+
+# -- the first-run announcement ---------------------------------------------------------------------------
+
+_announced = False
+
+
+@functools.cache
+def announce_compiles() -> None:
+    """Print one line on stderr the first time this process compiles one of the plugin's kernels.
+
+    Numba signals "numba:compile" only on a cache miss, so a warm cache prints nothing.
+    """
+    from numba.core import event
+
+    class _Announce(event.Listener):
+        def on_start(self, ev: event.Event) -> None:
+            global _announced
+            dispatcher = (ev.data or {}).get("dispatcher")
+            module = getattr(getattr(dispatcher, "py_func", None), "__module__", "") or ""
+            if _announced or not module.startswith("bitnet_cpu."):
+                return
+            _announced = True
+            where = "once" if getattr(sys.modules.get(module), "CACHE", True) else "no writable cache: every run"
+            print(f"bitnet-cpu: compiling CPU kernels for this machine, {where}", file=sys.stderr, flush=True)
+
+        def on_end(self, ev: event.Event) -> None:
+            pass
+
+    event.register("numba:compile", _Announce())

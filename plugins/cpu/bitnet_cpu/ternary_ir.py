@@ -1,0 +1,237 @@
+"""The LLVM IR of the ternary dot products, one flavour per instruction-set level.
+
+Numba types every integer expression as int64, so a plain loop over uint8 codes and int8
+activations vectorizes into 64-bit lanes and runs at a tenth of the memory bandwidth. The
+inner loop is therefore emitted here as LLVM vector IR on whole 256-value blocks:
+
+- "avx512vnni": codes c in {0,1,2} times int8 activations with the 512-bit `vpdpbusd`
+  (u8 x s8 -> i32, 64 products per instruction), the operation ternary weights map onto exactly;
+- "avxvnni": the same on 256-bit vectors (`llvm.x86.avx512.vpdpbusd.256`): LLVM encodes it as
+  VEX (AVX-VNNI, Alder Lake and later) or EVEX (AVX-512 VNNI with VL), whichever the CPU has;
+- "avx2": `pmaddubsw` then `pmaddwd` (no saturation: |2*q + 2*q'| <= 512 fits int16);
+- "generic": portable LLVM vector IR (`reduce.add(mul(zext c, sext q))`), which LLVM lowers
+  to whatever the target has: any numba target runs it.
+
+A dot yields sum(c * q) with c the unsigned code; t = c - 1, so the drivers subtract sum(q)
+per block, which the quantizer returns. Activations are stored in *byte order* (`PERM`):
+within a 256-block, 64 lanes per 2-bit field s, lane l holding column 128*(l//32) + 32*s +
+l%32, so each field of a block's 64 code bytes multiplies one contiguous 64-byte load.
+
+Each block loop prefetches the codes PREFETCH_BYTES ahead: the hardware prefetcher alone left
+one thread at 5 GB/s and two at 9-11 GB/s on 2B-4T shapes; with it they stream at 8-10 and
+14-17 GB/s (2048 bytes was best of 256..8192 on this machine).
+
+This module only builds IR; nothing here runs. `ternary_kernels` wraps it in numba intrinsics
+for the host, and `assembly()` compiles it for a named CPU, so a level the host lacks is still
+checked to the instruction (like compiling CUDA without a GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils
+
+BLOCK = 256
+BLOCK_BYTES = 64
+PREFETCH_BYTES = 2048  # how far past the block being read the codes are requested
+TILE = 4  # tokens per pass over a weight row in prefill: TILE accumulators plus the codes stay in registers
+
+LEVELS = ("avx512vnni", "avxvnni", "avx2", "generic")  # best first
+_VNNI = ("avx512vnni", "avxvnni")
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+# Activation index in byte order -> its column within the 256-block (see the module docstring).
+_lane = np.arange(BLOCK)
+PERM = 128 * ((_lane % 64) // 32) + 32 * (_lane // 64) + _lane % 32
+
+
+def _vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _splat(t: ir.Type, n: int, v: int) -> ir.Constant:
+    return ir.Constant(_vec(t, n), [ir.Constant(t, v)] * n)
+
+
+def _declare(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+    return cgutils.get_or_insert_function(module, ir.FunctionType(ret, args), name)
+
+
+class _Block:
+    """Emits one level's accumulators and per-256-block update."""
+
+    def __init__(self, builder: ir.IRBuilder, isa: str) -> None:
+        if isa not in LEVELS:
+            raise ValueError(f"unknown ISA level {isa!r}")
+        self.b, self.isa = builder, isa
+        self.vnni = isa in _VNNI
+        self.width = 64 if isa in ("avx512vnni", "generic") else 32  # bytes per vector register
+        mod = builder.module
+        if self.vnni:
+            self.lanes = self.width // 4
+            self.acc_type: ir.Type = _vec(_I32, self.lanes)
+            self.dpbusd = _declare(mod, f"llvm.x86.avx512.vpdpbusd.{8 * self.width}", self.acc_type,
+                                   [self.acc_type] * 3)
+        elif isa == "avx2":
+            self.lanes = 8
+            self.acc_type = _vec(_I32, 8)
+            self.maddubs = _declare(mod, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [_vec(_I8, 32)] * 2)
+            self.maddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", self.acc_type, [_vec(_I16, 16)] * 2)
+        else:
+            self.lanes = 1
+            self.acc_type = _I32
+            self.reduce_wide = _declare(mod, "llvm.vector.reduce.add.v64i32", _I32, [_vec(_I32, 64)])
+        if self.lanes > 1:
+            self.reduce = _declare(mod, f"llvm.vector.reduce.add.v{self.lanes}i32", _I32, [self.acc_type])
+
+    @property
+    def n_acc(self) -> int:
+        # VNNI: one accumulator per 2-bit field, so the vpdpbusd of a block do not wait on each
+        # other's latency (one chain ran at half the memory bandwidth).
+        return 4 if self.vnni else 1
+
+    def zero(self) -> ir.Constant:
+        return ir.Constant(self.acc_type, None)
+
+    def prefetch(self, ptr: ir.Value, offset: int) -> None:
+        """Ask for the cache line `offset` bytes past ptr (a hint: it never faults past the end)."""
+        b, i32 = self.b, _I32
+        fn = _declare(b.module, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), i32, i32, i32])
+        where = b.gep(ptr, [ir.Constant(_I64, offset)])
+        b.call(fn, [where, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+
+    def load(self, ptr: ir.Value, offset: int, n: int) -> ir.Value:
+        b = self.b
+        p = b.gep(ptr, [ir.Constant(_I64, offset)]) if offset else ptr
+        return b.load(b.bitcast(p, _vec(_I8, n).as_pointer()), align=1)
+
+    def codes(self, wptr: ir.Value) -> list[ir.Value]:
+        """The four 2-bit fields of each register-wide part of one block's 64 code bytes, part-major."""
+        b, n = self.b, self.width
+        out = []
+        for g in range(BLOCK_BYTES // n):
+            w = self.load(wptr, n * g, n)
+            for s in range(4):
+                if self.vnni:
+                    # Masked in place, not shifted: field s is c * 4**s <= 128, still a valid u8 operand,
+                    # and its accumulator is divided by 4**s exactly at the end (one op fewer per field).
+                    out.append(b.and_(w, _splat(_I8, n, 3 << (2 * s))))
+                else:
+                    out.append(b.and_(b.lshr(w, _splat(_I8, n, 2 * s)), _splat(_I8, n, 3)))
+        return out
+
+    def update(self, accs: list[ir.Value], codes: list[ir.Value], qptr: ir.Value) -> list[ir.Value]:
+        """accs + the block's sum(c * q); qptr points at the block's 256 activations in byte order."""
+        b, n = self.b, self.width
+        parts = BLOCK_BYTES // n
+        if self.vnni:
+            accs = list(accs)
+            for g in range(parts):
+                for s in range(4):
+                    q = b.bitcast(self.load(qptr, 64 * s + n * g, n), self.acc_type)
+                    accs[s] = b.call(self.dpbusd, [accs[s], b.bitcast(codes[4 * g + s], self.acc_type), q])
+            return accs
+        acc = accs[0]
+        if self.isa == "avx2":
+            # Sum the eight int16 pair products first: each lane stays within 8 * 512.
+            s16 = None
+            for g in range(parts):
+                for s in range(4):
+                    p = b.call(self.maddubs, [codes[4 * g + s], self.load(qptr, 64 * s + n * g, n)])
+                    s16 = p if s16 is None else b.add(s16, p)
+            return [b.add(acc, b.call(self.maddwd, [s16, _splat(_I16, 16, 1)]))]
+        v64 = _vec(_I32, 64)
+        for s in range(4):
+            prod = b.mul(b.zext(codes[s], v64), b.sext(self.load(qptr, 64 * s, 64), v64))
+            acc = b.add(acc, b.call(self.reduce_wide, [prod]))
+        return [acc]
+
+    def total(self, accs: list[ir.Value]) -> ir.Value:
+        acc = accs[0]
+        for s, more in enumerate(accs[1:], start=1):
+            # Every lane is a sum of multiples of 4**s (see codes()), so the shift is exact;
+            # lanes stay below 2**31 for rows shorter than 2**17 columns.
+            acc = self.b.add(acc, self.b.ashr(more, _splat(_I32, self.lanes, 2 * s)))
+        return acc if self.lanes == 1 else self.b.call(self.reduce, [acc])
+
+
+def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: bool, isa: str) -> None:
+    """The body of dot(w_addr, n_blocks, w_stride, q_addr, q_stride, n_tok, out_addr), all i64.
+
+    One row of codes (n_blocks blocks of 64 bytes, w_stride apart, from w_addr) times `tile`
+    token rows of activations (int8 in byte order, q_stride bytes apart), reading each weight
+    byte once for all of them. Tokens past n_tok (<= tile) reuse the last row and are not
+    stored. Writes int32 out[t] = the row's sum(c * q) for token t, or with per_block
+    out[t * n_blocks + b].
+    """
+    w_i, nb, wstep, q_i, stride, ntok, out_i = args
+    i8p = _I8.as_pointer()
+    blk = _Block(builder, isa)
+    w0 = builder.inttoptr(w_i, i8p)
+    out = builder.inttoptr(out_i, _I32.as_pointer())
+    last = builder.sub(ntok, ir.Constant(_I64, 1))
+    qrows = []
+    for t in range(tile):
+        row = ir.Constant(_I64, t)
+        row = builder.select(builder.icmp_signed("<", row, ntok), row, last)
+        qrows.append(builder.inttoptr(builder.add(q_i, builder.mul(row, stride)), i8p))
+    accs = [[cgutils.alloca_once_value(builder, blk.zero()) for _ in range(blk.n_acc)] for _ in range(tile)]
+
+    def store(t: int, index: ir.Value, value: ir.Value) -> None:
+        with builder.if_then(builder.icmp_signed("<", ir.Constant(_I64, t), ntok)):
+            builder.store(value, builder.gep(out, [index]))
+
+    with cgutils.for_range(builder, nb) as loop:
+        k = loop.index
+        wk = builder.gep(w0, [builder.mul(k, wstep)])
+        blk.prefetch(wk, PREFETCH_BYTES)
+        codes = blk.codes(wk)
+        qoff = builder.mul(k, ir.Constant(_I64, BLOCK))
+        for t in range(tile):
+            acc = blk.update([builder.load(a) for a in accs[t]], codes, builder.gep(qrows[t], [qoff]))
+            if per_block:
+                store(t, builder.add(builder.mul(ir.Constant(_I64, t), nb), k), blk.total(acc))
+            else:
+                for a, v in zip(accs[t], acc, strict=True):
+                    builder.store(v, a)
+    if not per_block:
+        for t in range(tile):
+            store(t, ir.Constant(_I64, t), blk.total([builder.load(a) for a in accs[t]]))
+
+
+# -- compile checks: a level's IR compiled for a CPU that has it, on any host --------------------------
+
+# A CPU model with each level (LLVM names), for compiling a level the host may lack.
+CHECK_CPU = {"avx512vnni": "icelake-server", "avxvnni": "alderlake", "avx2": "haswell", "generic": "x86-64"}
+_TRIPLE = "x86_64-unknown-linux-gnu"
+
+
+def dot_module(isa: str, tile: int = TILE, per_block: bool = False) -> str:
+    """LLVM IR text of a module holding one dot function of this level (see emit_dot)."""
+    module = ir.Module(name=f"ternary_dot_{isa}")
+    module.triple = _TRIPLE
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_I64] * 7), name="dot")
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    emit_dot(builder, list(fn.args), tile, per_block, isa)
+    builder.ret_void()
+    return str(module)
+
+
+def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool = False) -> str:
+    """x86-64 assembly of this level's dot for `cpu` (default CHECK_CPU[isa]), optimized as numba would.
+
+    Nothing is executed: this is how a level the host lacks is checked, since numba compiles
+    for the host only and LLVM aborts the process on an intrinsic the target cannot select.
+    """
+    from llvmlite import binding as llvm
+
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    mod = llvm.parse_assembly(dot_module(isa, tile, per_block))
+    mod.verify()
+    machine = llvm.Target.from_triple(_TRIPLE).create_target_machine(cpu=cpu or CHECK_CPU[isa], opt=3)
+    builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+    builder.getModulePassManager().run(mod, builder)
+    return machine.emit_assembly(mod)
