@@ -11,7 +11,7 @@ these names, so they are evidence of what ran, never a fixed list.
 
 Only `bitlinear` is required. Every other operation a provider class does not override runs
 on the host CPU through the NumPy reference (bitnet.runtime.fallback), and each such call
-is counted in `fallbacks` with its reason (docs/design.md section 4). The memory methods
+is counted in `fallbacks` with its reason (docs/design.md section 2). The memory methods
 default to host NumPy arrays, which is what a CPU backend wants; a device backend overrides
 all five (`upload_ternary`, `upload_float`, `kv_cache`, `to_host`, `from_host`).
 """
@@ -28,7 +28,7 @@ from bitnet.modelfile.ternary import TernaryMatrix
 
 ACT_QUANT_MODES = ("row", "block256", "none")
 ACTIVATIONS = ("silu", "relu2")
-# Every operation of a forward pass and of greedy sampling, in the order a layer first calls them.
+# The operations of a forward pass and of greedy sampling: what a provider may implement.
 OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "add", "last_row", "lm_head",
               "argmax")
 
