@@ -1,0 +1,130 @@
+"""The CPU plugin's instruction-set levels: which one runs, compile checks of those the host lacks, and a
+disk cache per level. (The kernels themselves are tested at every level the host runs in test_cpu_kernels.)"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bitnet.errors import UsageError
+from bitnet_cpu import isa, ternary_ir
+from conftest import cli_env, run_cli
+
+LEVELS = isa.host_levels()
+MISSING = [level for level in ternary_ir.LEVELS if level not in LEVELS]
+
+
+def test_host_levels_are_ordered_and_end_with_generic() -> None:
+    assert LEVELS[-1] == "generic"
+    assert list(LEVELS) == [level for level in ternary_ir.LEVELS if level in LEVELS]
+
+
+def test_choose_defaults_to_the_best_and_honours_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BITNET_CPU_ISA", raising=False)
+    assert isa.choose() == LEVELS[0]
+    monkeypatch.setenv("BITNET_CPU_ISA", " Generic ")
+    assert isa.choose() == "generic"
+    assert isa.choose(LEVELS[0]) == LEVELS[0]  # an explicit level wins over the variable
+
+
+def test_choose_rejects_unknown_and_unavailable_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BITNET_CPU_ISA", "sse9")
+    with pytest.raises(UsageError, match="BITNET_CPU_ISA=sse9 is not a level; choose one of generic, avx2"):
+        isa.choose()
+    if not MISSING:
+        pytest.skip("this CPU runs every level")
+    monkeypatch.setenv("BITNET_CPU_ISA", "avx512" if MISSING[0] == "avx512vnni" else MISSING[0])
+    with pytest.raises(UsageError, match=f"lacks {MISSING[0]}; it runs {', '.join(LEVELS)}$"):
+        isa.choose()
+    with pytest.raises(UsageError, match=f"lacks {MISSING[0]}"):
+        isa.build(MISSING[0])  # never compiled: LLVM would abort the process
+
+
+def test_the_cli_exits_2_naming_what_the_cpu_runs(tmp_path: Path) -> None:
+    wanted = MISSING[0] if MISSING else "sse9"
+    env = cli_env(BITNET_CPU_ISA=wanted, BITNET_CACHE_DIR=str(tmp_path))
+    r = run_cli("--device", "cpu", "run", "-p", "hi", "--max-tokens", "1", env=env)
+    errors = [ln for ln in r.stderr.splitlines() if not ln.startswith("requested=")]
+    assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: BITNET_CPU_ISA="), r.stderr
+    assert (f"it runs {', '.join(LEVELS)}" if MISSING else "choose one of") in errors[0]
+
+
+# -- every level compiled to its instructions, whatever the host (nothing runs) ---------------------------
+
+def _instructions(asm: str) -> set[str]:
+    """'mnemonic widest-register' pairs of the dot-product instructions in `asm`."""
+    found = set()
+    for line in asm.splitlines():
+        m = re.match(r"\s+(\{vex\}\s+)?(v?p(?:dpbusd|maddubsw|maddwd))\s+(.*)", line)
+        if m:
+            width = "zmm" if "zmm" in m[3] else "ymm" if "ymm" in m[3] else "xmm"
+            found.add(f"{'{vex} ' if m[1] else ''}{m[2]} {width}")
+    return found
+
+
+@pytest.mark.parametrize("level, cpu, expected", [
+    ("avx512vnni", None, {"vpdpbusd zmm"}),
+    ("avxvnni", None, {"{vex} vpdpbusd ymm"}),  # alderlake: AVX-VNNI, no AVX-512
+    ("avxvnni", "icelake-server", {"vpdpbusd ymm"}),  # the same IR as EVEX on AVX-512 VNNI with VL
+    ("avx2", None, {"vpmaddubsw ymm", "vpmaddwd ymm"}),
+    ("generic", None, {"pmaddwd xmm"}),  # baseline x86-64 (SSE2): LLVM finds pmaddwd on its own
+])
+@pytest.mark.parametrize("tile, per_block", [(1, False), (ternary_ir.TILE, True)])
+def test_every_level_compiles_to_its_instructions(level: str, cpu: str | None, expected: set[str], tile: int,
+                                                  per_block: bool) -> None:
+    asm = ternary_ir.assembly(level, cpu, tile, per_block)
+    assert _instructions(asm) == expected
+
+
+def test_the_compile_check_sees_a_missing_instruction() -> None:
+    # The check above is not vacuous: the avx2 level has no vpdpbusd, the avx512vnni level no vpmaddubsw.
+    assert not any("vpdpbusd" in i for i in _instructions(ternary_ir.assembly("avx2")))
+    assert not any("maddubsw" in i for i in _instructions(ternary_ir.assembly("avx512vnni")))
+
+
+def test_unknown_level_is_refused_by_the_emitter() -> None:
+    with pytest.raises(ValueError, match="unknown ISA level"):
+        ternary_ir.dot_module("sse9")
+
+
+# -- one disk cache per level, and the first-run announcement -----------------------------------------------
+
+_QUANTIZE_ONCE = """
+import numpy as np
+from bitnet_cpu.provider import CpuProvider
+p = CpuProvider(n_threads=1)
+x = np.ones((1, 256), np.float32)
+p._tk.quantize_rows(x, np.empty((1, 256), np.int8), np.empty(1, np.float32), np.empty((1, 1), np.int32), False)
+print(p.isa)
+"""
+ANNOUNCEMENT = "bitnet-cpu: compiling CPU kernels for this machine, once"
+
+
+def _run(level: str | None, cache: Path) -> tuple[str, list[str]]:
+    env = cli_env(NUMBA_CACHE_DIR=str(cache))
+    env.pop("BITNET_CPU_ISA", None)
+    if level:
+        env["BITNET_CPU_ISA"] = level
+    r = subprocess.run([sys.executable, "-c", _QUANTIZE_ONCE], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip(), r.stderr.strip().splitlines()
+
+
+def _cached_levels(cache: Path) -> set[str]:
+    return {d.name.split("-")[1] for d in cache.glob("ternary-*") if any(d.rglob("*.nbi"))}
+
+
+def test_each_level_caches_under_its_own_key_and_a_cold_cache_is_announced(tmp_path: Path) -> None:
+    assert _run("generic", tmp_path) == ("generic", [ANNOUNCEMENT])
+    assert _cached_levels(tmp_path) == {"generic"}  # a forced level caches too
+    assert _run("generic", tmp_path) == ("generic", [])  # warm: silent
+    if LEVELS[0] == "generic":
+        pytest.skip("this host runs only the generic level")
+    # The best level finds generic's kernels on disk, yet compiles its own: one level's code never
+    # serves another.
+    assert _run(None, tmp_path) == (LEVELS[0], [ANNOUNCEMENT])
+    assert _cached_levels(tmp_path) == {"generic", LEVELS[0]}
