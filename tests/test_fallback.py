@@ -16,6 +16,7 @@ import pytest
 from float_reference import random_model
 
 from bitnet.errors import NoBackendError
+from bitnet.plugins.registry import Registry
 from bitnet.runtime.provider import OPERATIONS, KernelProvider, native_operations
 from bitnet.runtime.reference import ReferenceProvider
 from bitnet.runtime.transformer import Transformer
@@ -178,6 +179,31 @@ def test_strict_mode_refuses_a_partial_backend_at_load(monkeypatch: pytest.Monke
     # A fallback a provider reports itself is refused as it would happen.
     with pytest.raises(NoBackendError, match=r"would run act_mul on the host \(no relu2 kernel\)"):
         ReferenceProvider().record_fallback("act_mul", "no relu2 kernel")
+
+
+def test_a_device_provider_falls_back_through_its_own_handles() -> None:
+    """A real GPU provider with rope and attention left to core: the same logits, counted fallbacks."""
+    registry = Registry()
+    probe = registry.probe("opencl")
+    if not probe.devices:
+        pytest.skip(f"opencl: {probe.reason}")
+    full = registry.entries["opencl"].backend.open(probe.devices[0])
+    cls = type(full)
+    try:
+        if cls.from_host is KernelProvider.from_host:
+            pytest.skip(f"{cls.__name__} has no from_host yet (the shared GPU host layer brings it)")
+        partial = type(f"{cls.__name__}WithoutRopeAttention", (cls,),
+                       {"rope": KernelProvider.rope, "attention": KernelProvider.attention})(probe.devices[0])
+        try:
+            model = random_model(seed=5, n_layers=N_LAYERS)
+            want, got = (p.to_host(Transformer(model, p, 16, "row").forward(IDS, 0, all_logits=True))
+                         for p in (full, partial))
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+            assert fallback_counts(partial) == {"rope": 2 * N_LAYERS, "attention": N_LAYERS}
+        finally:
+            partial.close()
+    finally:
+        full.close()
 
 
 # -- the example third-party plugin's provider (its packaging is tested in test_third_party.py) ------------
