@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from bitnet.errors import UsageError
 from bitnet.runtime.provider import ACT_QUANT_MODES
-from bitnet.runtime.sampling import Sampler
+from bitnet.runtime.sampling import Sampler, check_logit_bias
+
+SAMPLING_OPTIONS = frozenset({"min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n",
+                              "logit_bias"})
 
 if TYPE_CHECKING:
     from bitnet.modelfile.model import Model, ModelConfig
@@ -20,6 +24,7 @@ if TYPE_CHECKING:
     from bitnet.plugins.types import Device
     from bitnet.runtime.provider import KernelProvider
     from bitnet.runtime.transformer import Transformer
+    from bitnet.text.chat_template import ChatTemplate
     from bitnet.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
@@ -35,6 +40,8 @@ class Stats:
     prefill_ms: float = 0.0  # the prompt's forward pass and the first sampled token
     decode_ms: float = 0.0  # every later token: forward pass of the previous one, then sampling
     ttft_ms: float = 0.0  # tokenization + prefill + first sample (not the caller's wait before iterating)
+    cached_tokens: int = 0  # prompt tokens whose K/V the previous run left in the cache (not recomputed)
+    finish_reason: str | None = None  # "stop" (end of generation or a stop string), "length" (max_tokens)
     token_latencies_ms: list[float] = field(default_factory=list)  # one per decode step
 
     @property
@@ -52,18 +59,21 @@ class Stats:
 
 
 def load(path: str | os.PathLike[str] | None = None, device: str | None = None, n_ctx: int | None = None,
-         act_quant: str = "row", progress: Callable[[int, int], None] | None = None) -> Engine:
+         act_quant: str = "row", progress: Callable[[int, int], None] | None = None,
+         chat_template: str | None = None) -> Engine:
     """Select a device (docs/design.md section 3), load the GGUF model onto it, return an Engine.
 
     path None is the embedded default model: a small *synthetic* model (random ternary
     weights, it writes gibberish) that exercises every code path. n_ctx defaults to the
     model's training context, at most 4096; a larger n_ctx is allowed (RoPE extends to any
     position, quality beyond the training context is the caller's business). act_quant is
-    "row" (BitNet b1.58), "block256" (llama.cpp's Q8_K) or "none" (float).
+    "row" (BitNet b1.58), "block256" (llama.cpp's Q8_K) or "none" (float). chat_template names a
+    built-in (bitnet, llama3, chatml, falcon3, zephyr) or a Jinja file, in place of the model's own.
     """
     from bitnet.modelfile.model import load_model
     from bitnet.plugins.selection import select
     from bitnet.runtime.transformer import Transformer
+    from bitnet.text import chat_template as templates
     from bitnet.text.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
@@ -84,12 +94,14 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
         if n_ctx is None:
             n_ctx = min(model.config.n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
         check_kv_fits(model.config, n_ctx, selection.device)
+        template = templates.choose(model.metadata, tokenizer.has_token, chat_template)
         transformer = Transformer(model, provider, n_ctx, act_quant)
     except BaseException:
         provider.close()
         raise
     load_ms = (time.perf_counter() - t0) * 1e3
-    return Engine(selection, provider, model, tokenizer, transformer, load_ms=load_ms)
+    return Engine(selection, provider, model, tokenizer, transformer, load_ms=load_ms, chat_template=template,
+                  name=Path(path).name)
 
 
 def kv_cache_bytes(config: ModelConfig, n_ctx: int, n_seqs: int = 1) -> int:
@@ -112,12 +124,17 @@ class Engine:
     """A model resident on one device, with its tokenizer. Not thread-safe: one run at a time."""
 
     def __init__(self, selection: Selection, provider: KernelProvider, model: Model, tokenizer: Tokenizer,
-                 transformer: Transformer, load_ms: float = 0.0) -> None:
+                 transformer: Transformer, load_ms: float = 0.0, chat_template: ChatTemplate | None = None,
+                 name: str = "bitnet") -> None:
+        from bitnet.text import chat_template as templates
+
         self.selection, self.provider, self.model = selection, provider, model
         self.tokenizer, self.transformer = tokenizer, transformer
-        self.load_ms = load_ms
+        self.load_ms, self.name = load_ms, name
+        self.chat_template = chat_template or templates.choose(model.metadata, tokenizer.has_token)
         self.stats = Stats(load_ms=load_ms)
         self._epoch = 0  # bumped by every run: a generator whose cache was reused by a later run stops
+        self._cached: list[int] = []  # the tokens whose K/V sit in the cache at positions 0..len-1
 
     @property
     def summary(self) -> str:
@@ -146,28 +163,49 @@ class Engine:
         t0 = time.perf_counter()
         self._epoch += 1
         self.transformer.reset()
+        self._cached = []
         out = self.provider.to_host(self.transformer.forward(ids, 0, all_logits=True))
+        self._cached = [int(i) for i in ids]
         self.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
         return out
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: str | Sequence[str] = ()) -> Iterator[str]:
+                 stop: str | Sequence[str] = (), **sampling: Any) -> Iterator[str]:
         """Stream the text generated after `prompt` (text, or token ids used as they are).
 
         Stops at an end-of-generation token, after max_tokens tokens, or at a stop string
-        (which is not emitted). Parameters and the context limit are checked here, before
-        any compute; the returned iterator does the work as it is consumed. One run at a time:
-        starting another run on this engine ends an unfinished one (UsageError on its next step).
+        (which is not emitted). `sampling` takes min_p, repeat_penalty, presence_penalty,
+        frequency_penalty, penalty_last_n and logit_bias (bitnet.runtime.sampling). Parameters and
+        the context limit are checked here, before any compute; the returned iterator does the work
+        as it is consumed. One run at a time: starting another run on this engine ends an unfinished
+        one (UsageError on its next step). The cache is reused: only the part of the prompt that
+        differs from the previous run's tokens is computed (a chat's next turn prefills only itself).
         """
+        steps = self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop, **sampling)
+        return (s.text for s in steps if s.text)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] = (),
+               logprobs: int | None = None, **sampling: Any) -> Iterator[Step]:
+        """As generate, one Step per sampled token (its text, and its log-probabilities if asked for)."""
         t0 = time.perf_counter()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
             raise UsageError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-        sampler = Sampler(temperature, top_k, top_p, seed)
+        unknown = set(sampling) - SAMPLING_OPTIONS
+        if unknown:
+            raise UsageError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
+        sampler = Sampler(temperature, top_k, top_p, seed, logprobs=logprobs, **sampling)
+        check_logit_bias(sampler.logit_bias, self.config.vocab_size)
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stops):
             raise UsageError("stop strings must be non-empty strings")
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+            if ids and not 0 <= min(ids) <= max(ids) < self.config.vocab_size:
+                raise UsageError(f"token id out of range 0..{self.config.vocab_size - 1}")
         if not ids:
             raise UsageError("the prompt is empty and the model has no BOS token to start from")
         self._check_fits(len(ids), max_tokens)
@@ -178,42 +216,92 @@ class Engine:
             raise UsageError(f"prompt of {n_prompt} tokens plus {n_generate} to generate exceeds the context "
                              f"of {self.n_ctx}")
 
+    def _forward(self, ids: list[int], pos: int) -> Any:
+        """Logits of the last of `ids` run at positions pos..; the cache then holds _cached[:pos] + ids."""
+        del self._cached[pos:]
+        logits = self.transformer.forward(np.asarray(ids, np.int32), pos, all_logits=False)
+        self._cached.extend(ids)
+        return logits
+
     def _run(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: tuple[str, ...],
-             tokenize_ms: float) -> Iterator[str]:
+             tokenize_ms: float) -> Iterator[Step]:
         stats = self.stats = Stats(load_ms=self.load_ms, prompt_tokens=len(ids))
         self._epoch += 1
         epoch = self._epoch
         if max_tokens == 0:
+            stats.finish_reason = "length"
             return
-        tr, decode = self.transformer, self.tokenizer.stream_decoder()
+        tr, decode, tok = self.transformer, self.tokenizer.stream_decoder(), self.tokenizer
         held = StopFilter(stops)
-        tr.reset()
+        # Reuse the cached prefix; at least the last prompt token runs, for its logits.
+        reuse = min(common_prefix(self._cached, ids), len(ids) - 1)
+        tr.n_past = reuse
+        stats.cached_tokens = reuse
         t = time.perf_counter()
-        token = sampler.sample(self.provider, tr.forward(np.asarray(ids, np.int32), 0, all_logits=False))
+        choice = sampler.pick(self.provider, self._forward(ids[reuse:], reuse), ids)
         now = time.perf_counter()
         stats.prefill_ms = (now - t) * 1e3
         stats.ttft_ms = tokenize_ms + stats.prefill_ms
-        pos = len(ids)
+        history = list(ids)
         while True:
+            token = choice.token
             stats.generated_tokens += 1
-            if self.tokenizer.is_eog(token):
+            if tok.is_eog(token):
+                stats.finish_reason = "stop"
                 break
+            history.append(token)
             text, stopped = held.push(decode(token))
-            if text:
-                yield text
-            if stopped or stats.generated_tokens >= max_tokens:
+            yield Step(token, text, choice.logprob, choice.top)
+            if stopped:
+                stats.finish_reason = "stop"
+                break
+            if stats.generated_tokens >= max_tokens:
+                stats.finish_reason = "length"
                 break
             if self._epoch != epoch:
                 raise UsageError("generation interrupted: another run on this engine reused its KV cache")
             t = time.perf_counter()
-            logits = tr.forward(np.array([token], np.int32), pos, all_logits=False)
-            token = sampler.sample(self.provider, logits)
+            choice = sampler.pick(self.provider, self._forward([token], len(history) - 1), history)
             dt = (time.perf_counter() - t) * 1e3
             stats.decode_ms += dt
             stats.token_latencies_ms.append(dt)
-            pos += 1
         if not held.stopped and held.pending:
-            yield held.pending
+            yield Step(-1, held.pending)
+
+    # -- chat and OpenAI-shaped results (bitnet.runtime.completions) -----------------------------------
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> list[int] | str:
+        """The prompt for a conversation, as transformers' method of the same name: token ids, or the text.
+
+        Ids follow llama.cpp's server: the rendered text with its special tokens parsed, and one BOS
+        when the vocabulary adds one (never two, whether or not the template writes it).
+        """
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        text = self.chat_template.render(messages, add_generation_prompt, bos_token=bos, eos_token=eos)
+        if not tokenize:
+            return text
+        if bos and tok.add_bos and text.startswith(bos):
+            text = text[len(bos):]
+        return tok.encode(text, add_bos=True, special=True)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> Iterator[str]:
+        """Stream the assistant's reply to a conversation (generate's options apply)."""
+        return self.generate(self.apply_chat_template(messages), **kwargs)
+
+    def create_completion(self, prompt: str | Sequence[int], stream: bool = False, **kwargs: Any) -> Any:
+        """An OpenAI `text_completion` dict, or with stream=True an iterator of its chunks."""
+        from bitnet.runtime import completions
+
+        return completions.completion(self, prompt, stream, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], stream: bool = False,
+                               **kwargs: Any) -> Any:
+        """An OpenAI `chat.completion` dict, or with stream=True an iterator of `chat.completion.chunk`s."""
+        from bitnet.runtime import completions
+
+        return completions.chat_completion(self, messages, stream, **kwargs)
 
     def close(self) -> None:
         self.provider.close()
@@ -223,6 +311,25 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One sampled token of a run and the text it releases (token -1: text held back until the end)."""
+
+    token: int
+    text: str
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if len(diff) else n
 
 
 class StopFilter:

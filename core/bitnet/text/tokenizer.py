@@ -573,6 +573,14 @@ class Tokenizer:
 
         return feed
 
+    def has_token(self, text: str) -> bool:
+        """Whether the vocabulary has a token spelled exactly `text` (e.g. "<|im_start|>")."""
+        return text in self._token_to_id
+
+    def token_text(self, tid: int) -> str:
+        """The vocabulary's spelling of token `tid` (special tokens as written, e.g. "<|eot_id|>")."""
+        return self.tokens[tid]
+
     def is_eog(self, tok: int) -> bool:
         """Whether ``tok`` ends generation: EOS, EOT, EOM or an end-of-turn token (llama.cpp's set)."""
         return tok in self._eog_ids
