@@ -254,35 +254,6 @@ def test_batches_beyond_the_grid_limit_are_refused(fake):
         p.rope(x, 1, 8, 0, 1e4)
 
 
-# -- the portable body of the bf16 LM head, run on PoCL -----------------------------------------------------
-def test_portable_bf16_lm_head_runs_on_opencl():
-    """lm_head_bf16's body is portable (decoding bf16 is a shift): run it where kernels run here."""
-    pytest.importorskip("pyopencl")
-    from test_opencl_provider import DEVICE
-
-    from bitnet_opencl.provider import TILE_N, OpenCLProvider, Tensor
-    if DEVICE is None:
-        pytest.skip("no OpenCL device")
-    rng = np.random.default_rng(4)
-    vocab, dim, n = 1001, 200, 3  # 200: a tail beyond the 8-element chunks
-    w = rng.standard_normal((vocab, dim)).astype(np.float32)
-    bits = w.view(np.uint32)
-    bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
-    x = rng.standard_normal((n, dim)).astype(np.float32)
-    p = OpenCLProvider(DEVICE)
-    try:
-        table = p._write(Tensor(p.pool, bf16.shape, np.uint16, "bf16 table", resident=True), bf16)
-        y = p._new((n, vocab))
-        lanes = 8
-        p._run("lm_head_bf16", (-(-vocab // (p.local["lm_head_bf16"] // lanes)), -(-n // TILE_N)),
-               table, p.upload_float(x), y, vocab, dim, n, lanes)
-        got = p.to_host(y)
-    finally:
-        p.close()
-    want = x.astype(np.float64) @ (bf16.astype(np.uint32) << 16).view(np.float32).astype(np.float64).T
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-
-
 # -- on a real CUDA device -----------------------------------------------------------------------------
 def _cuda_probe():
     from bitnet_cuda.probe import probe

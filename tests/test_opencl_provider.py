@@ -1,10 +1,15 @@
-"""The OpenCL provider on a real OpenCL device (PoCL in CI) against the NumPy ReferenceProvider.
+"""The OpenCL provider on every OpenCL implementation present against the NumPy ReferenceProvider.
 
-Float ops must agree within 1e-4 of the largest reference value; integer parts exactly. Each test
-module (so each xdist worker) opens its own context; tests that close a provider open their own.
+Each test runs on the first device of each platform: PoCL (the portable paths of the kernel source) and
+Intel's CPU runtime (intel-opencl-rt, installed by scripts/setup.sh: subgroup reductions, the integer dot
+product and hardware f16 conversions), plus one build with the 128-bit loads that otherwise only CUDA
+compiles. Float ops must agree within 1e-4 of the largest reference value; integer parts exactly. Each
+test module (so each xdist worker) opens its own contexts; tests that close a provider open their own.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pyopencl as cl
@@ -12,44 +17,62 @@ import pytest
 
 from bitnet import gpu as kernels_src
 from bitnet.errors import NoBackendError, UsageError
+from bitnet.gpu import TILE_N
 from bitnet.modelfile.ternary import from_values
 from bitnet.plugins.types import Device
 from bitnet.runtime.reference import ReferenceProvider
-from bitnet_opencl.provider import TILE_N, OpenCLProvider
+from bitnet_opencl.icd import use_installed_runtimes
+from bitnet_opencl.probe import device_features
+from bitnet_opencl.provider import OpenCLProvider
+
+use_installed_runtimes()  # before this process's first OpenCL call, so Intel's runtime is listed too
 
 MODES = ("row", "block256", "none")
+VENDOR_OPENCL = Path(kernels_src.__file__).with_name("vendor_opencl.h").read_text(encoding="utf-8")
+# A third party's header in miniature: OpenCL's, plus the 128-bit loads only vendor_cuda.h turns on.
+WIDE_LOADS = "#define HAS_WIDE_LOADS 1\n" + VENDOR_OPENCL
 
 
-def _first_device() -> Device | None:
+def _devices() -> dict[str, Device]:
+    """The first device of each platform, by platform name."""
     try:
         platforms = cl.get_platforms()
     except cl.Error:
-        return None
+        return {}
+    found = {}
     for p_index, platform in enumerate(platforms):
         try:
-            if platform.get_devices():
-                return Device("opencl", 0, platform.get_devices()[0].name.strip(),
-                              properties={"platform_index": p_index, "device_index": 0})
-        except cl.Error:
+            dev = platform.get_devices()[0]
+        except (cl.Error, IndexError):
             continue
-    return None
+        found[platform.name.strip()] = Device("opencl", 0, dev.name.strip(),
+                                              properties={"platform_index": p_index, "device_index": 0})
+    return found
 
 
-DEVICE = _first_device()
+DEVICES = _devices()
 pytestmark = [pytest.mark.opencl,
-              pytest.mark.skipif(DEVICE is None, reason="pyopencl finds no OpenCL platform with a device")]
+              pytest.mark.skipif(not DEVICES, reason="pyopencl finds no OpenCL platform with a device")]
+# Every platform with its own features; the first one again with the wide loads.
+BUILDS = [(name, None) for name in DEVICES] + [(name, "wide-loads") for name in list(DEVICES)[:1]]
 
 
-@pytest.fixture(scope="module")
-def ocl():
-    p = OpenCLProvider(DEVICE)
+@pytest.fixture(scope="module", params=BUILDS, ids=lambda b: "+".join(filter(None, b)))
+def ocl(request):
+    name, variant = request.param
+    p = OpenCLProvider(DEVICES[name], source=kernels_src.source(WIDE_LOADS) if variant else None)
     yield p
     p.close()
 
 
+@pytest.fixture(params=list(DEVICES))
+def device(request) -> Device:
+    return DEVICES[request.param]
+
+
 @pytest.fixture
-def fresh():
-    p = OpenCLProvider(DEVICE)
+def fresh(device):
+    p = OpenCLProvider(device)
     yield p
     p.close()
 
@@ -215,12 +238,114 @@ def test_attention_refuses_unwritten_or_overflowing_positions(ocl):
         ocl.attention(x, x, x, cache, 0, 3, 1, 1, 16)
 
 
+# -- the LM head's formats: the conversion kernel and the bf16 head ---------------------------------------------
+SPECIAL = np.array([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.99, 65520.0, 1e30, -1e30, np.inf, -np.inf,
+                    6.1035156e-05, 6.1e-05, 5.96e-08, 2.98e-08, 2.99e-08, 1e-10, -3e-06, 1.0009766, 1.0004883,
+                    1.0014648, np.float32(1) + np.float32(2) ** -8, np.nan], np.float32)
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bits, round to nearest even (NaN not handled: callers compare it apart)."""
+    bits = a.view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_table_conversion_rounds_to_nearest_even(ocl, fmt):
+    """convert_table, bit for bit against NumPy: ties, overflow to infinity, subnormals, NaN."""
+    rng = np.random.default_rng(11)
+    values = np.concatenate([SPECIAL, rng.standard_normal(3000).astype(np.float32) * 1e3,
+                             rng.standard_normal(3000).astype(np.float32) * 1e-6,
+                             rng.integers(0, 1 << 32, 4000, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+    table = values[: values.size // 10 * 10].reshape(-1, 10)
+    ocl.lm_head_format = fmt
+    try:
+        converted = ocl._lm_table(ocl.upload_float(table))
+        got = ocl._read(converted, np.uint16)
+    finally:
+        ocl.lm_head_format = None
+    with np.errstate(over="ignore"):  # beyond 65504 NumPy rounds to infinity, as the kernel must
+        want = table.astype(np.float16).view(np.uint16) if fmt == "f16" else _bf16_bits(table)
+    nan = np.isnan(table)
+    as_float = got.view(np.float16) if fmt == "f16" else (got.astype(np.uint32) << 16).view(np.float32)
+    assert np.isnan(as_float[nan]).all()
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+def test_bf16_lm_head(ocl, ref):
+    """An F32 table re-encoded as bf16 (what a CUDA device of CC >= 8.0 runs): the product of the rounded
+    table, within 1e-4 of the largest logit."""
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((1001, 200)).astype(np.float32)  # 200: a tail beyond the 8-element chunks
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    ocl.lm_head_format = "bf16"
+    try:
+        got = ocl.to_host(ocl.lm_head(ocl.upload_float(x), ocl.upload_float(table)))
+    finally:
+        ocl.lm_head_format = None
+    assert ocl.dispatches["lm_head_bf16"] >= 1
+    rounded = (_bf16_bits(table).astype(np.uint32) << 16).view(np.float32)
+    assert_close(got, ref.lm_head(x, rounded))
+
+
+# -- feature macros: each fast path runs exactly where the device has its feature ------------------------------
+def test_features_follow_the_extensions(ocl):
+    ext = set(ocl.cl_device.extensions.split())
+    assert ("HAS_SUBGROUP_REDUCE" in ocl.features) == bool(ext & {"cl_khr_subgroups", "cl_intel_subgroups"})
+    assert ("HAS_F16" in ocl.features) == ("cl_khr_fp16" in ext)
+    if "HAS_DP4A" in ocl.features:
+        assert "cl_khr_integer_dot_product" in ext
+
+
+BREAK = {  # a fast path's primitive made wrong, and an operation that goes through it
+    "HAS_SUBGROUP_REDUCE": "#undef SG_SUM\n#define SG_SUM(v) ((v) - (v))\n",
+    "HAS_DP4A": "#undef DOT4_U8_I8\n#define DOT4_U8_I8(c, q) 0\n",
+    "HAS_F16": "#undef F16_TO_F32\n#define F16_TO_F32(h) 0.0f\n",
+}
+
+
+@pytest.mark.parametrize("feature", sorted(BREAK))
+def test_a_fast_path_runs_exactly_where_its_feature_is(device, ref, feature):
+    """With the feature's primitive broken in the header, results go wrong on a device that has the
+    feature (its fast path ran) and stay right on one that has not (the portable path ran)."""
+    p = OpenCLProvider(device, source=kernels_src.source(VENDOR_OPENCL + "\n" + BREAK[feature]))
+    try:
+        rng = np.random.default_rng(12)
+        if feature == "HAS_SUBGROUP_REDUCE":
+            x, w = rng.standard_normal((2, 512)).astype(np.float32), np.ones(512, np.float32)
+            got, want = p.to_host(p.rmsnorm(p.upload_float(x), p.upload_float(w), 1e-5)), ref.rmsnorm(x, w, 1e-5)
+        elif feature == "HAS_DP4A":
+            w = ternary(rng, 64, 512)
+            x = rng.standard_normal((2, 512)).astype(np.float32)
+            got, want = p.to_host(p.bitlinear(p.upload_float(x), p.upload_ternary(w), "row")), \
+                ref.bitlinear(x, w, "row")
+        else:
+            table = rng.standard_normal((10, 64)).astype(np.float16)
+            got = p.to_host(p.embed(p.upload_float(table), np.arange(10, dtype=np.int32)))
+            want = table.astype(np.float32)
+        ran_fast = feature in device_features(p.cl_device)
+    finally:
+        p.close()
+    right = np.allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    assert right != ran_fast, f"{feature} {'is' if ran_fast else 'is not'} on {device.name}, yet the result " \
+                              f"is {'right' if right else 'wrong'}"
+
+
 # -- program build, memory, receipts ----------------------------------------------------------------------
-def test_build_failure_raises_with_build_log():
+def test_build_failure_raises_with_build_log(device):
     broken = kernels_src.source("opencl") + "\nKERNEL broken(GLOBAL float* x) { x[0] = no_such_symbol; }\n"
     with pytest.raises(NoBackendError, match="no_such_symbol") as err:
-        OpenCLProvider(DEVICE, source=broken)
+        OpenCLProvider(device, source=broken)
     assert "build failed" in str(err.value)
+
+
+def test_from_host_makes_an_activation(fresh):
+    x = np.random.default_rng(13).standard_normal((3, 100)).astype(np.float32)
+    handle = fresh.from_host(x.astype(np.float64))  # any float input arrives as float32
+    np.testing.assert_array_equal(fresh.to_host(handle), x)
+    assert fresh.leaks() == ["activation (1200 bytes)"]  # an activation, counted until dropped
+    del handle
+    assert fresh.leaks() == []
 
 
 def _layer_like(p: OpenCLProvider, w, norm, x) -> np.ndarray:
@@ -265,11 +390,21 @@ def test_dispatches_record_what_ran(fresh):
 
 # -- the portable source ------------------------------------------------------------------------------------
 def test_kernel_body_is_vendor_neutral():
-    """OpenCL spellings belong in vendor_opencl.h only: the body must also compile as CUDA."""
+    """Vendor spellings belong in the vendor headers only, and fast paths key on features, not vendors."""
     body = kernels_src.source("opencl").split('#line 1 "bitnet_kernels.c"', 1)[1]
     for word in ("__kernel", "__global", "__local", "get_local_id", "get_group_id", "get_global_id",
-                 "barrier(", "CLK_", "as_float(", "as_uint(", "vload"):
+                 "barrier(", "CLK_", "as_float(", "as_uint(", "vload", "sub_group", "__CUDACC__",
+                 "__CUDA_ARCH__", "__shfl", "__dp4a", "__half", "threadIdx", "gridDim"):
         assert word not in body, f"{word!r} in the portable kernel body"
     assert kernels_src.source("cuda").startswith('#line 1 "vendor_cuda.h"')
-    with pytest.raises(ValueError, match="vendor"):
+
+
+def test_source_takes_a_third_partys_header(tmp_path):
+    header = tmp_path / "vendor_metal.h"
+    header.write_text("#define KERNEL kernel void\n")
+    from_path = kernels_src.source(header)
+    assert from_path.startswith('#line 1 "vendor_metal.h"\n#define KERNEL kernel void\n')
+    assert from_path.endswith(kernels_src.source("opencl").split('#line 1 "bitnet_kernels.c"', 1)[1])
+    assert kernels_src.source("#define KERNEL kernel void\n") == from_path.replace("vendor_metal.h", "vendor header")
+    with pytest.raises(ValueError, match="vendor 'metal'"):
         kernels_src.source("metal")

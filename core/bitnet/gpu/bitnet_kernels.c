@@ -1,9 +1,15 @@
 /* bitnet GPU kernels, written once for OpenCL and CUDA.
  *
- * This body is the C subset OpenCL C 1.2 and CUDA C++ share; a vendor header (vendor_opencl.h or
- * vendor_cuda.h, prepended by bitnet.kernels_src.source) spells KERNEL, GLOBAL, LOCAL, BARRIER, the
- * index macros and the float math names. CUDA-only fast paths sit behind __CUDACC__ / __CUDA_ARCH__
- * guards, each with the portable body that PoCL runs in CI.
+ * This body is the C subset OpenCL C and CUDA C++ share; a vendor header (vendor_opencl.h,
+ * vendor_cuda.h or a third party's, prepended by bitnet.gpu.source) spells KERNEL, GLOBAL, LOCAL,
+ * BARRIER, the index macros and the float math names. Fast paths key on feature macros, never on a
+ * vendor; each has the portable body beside it, which runs wherever the feature is missing:
+ *   HAS_SUBGROUP_REDUCE  SG_SUM / SG_MAX / SG_MIN over a subgroup (every lane gets the result), with
+ *                        SG_LANE, SG_ID, SG_COUNT: subgroups are consecutive runs of TID.
+ *   HAS_DP4A             DOT4_U8_I8(c, q): four unsigned bytes of c times four signed bytes of q, summed.
+ *   HAS_F16              F16_TO_F32(bits) and F32_TO_F16(f) (round to nearest even) in hardware.
+ *   HAS_WIDE_LOADS       128-bit loads through int4 / uint4 / float4 pointers: buffers are 16-byte aligned.
+ * UNROLL_WORDS, optional, is the pragma that fully unrolls a block's word loop where a compiler needs it.
  *
  * Launch conventions (the same for both hosts): work-groups of LSIZE threads along x, a power of two
  * no larger than MAX_WG; GROUP_X / GROUP_Y index the grid. Activations are float32 row-major [n, width].
@@ -22,32 +28,24 @@
 
 /* ---- work-group reductions (LSIZE must be a power of two; every thread must call them) ---------- */
 
-#ifdef __CUDACC__
-#define WARP 32
 #define SUM(a, b) ((a) + (b))
-/* Larger magnitude, then the larger value: a total order, so every lane of a butterfly agrees on the
- * winner (the portable tree keeps either sign on a tie; both give the same product, see below). */
+/* Larger magnitude, then the larger value: a total order, so every thread combining the same values in
+ * any order agrees on the winner (the portable tree keeps either sign on a tie; both give the same
+ * product, see group_max_magnitude). */
 #define MAX_MAGNITUDE(a, b) (fabsf(b) > fabsf(a) || (fabsf(b) == fabsf(a) && (b) > (a)) ? (b) : (a))
-/* v combined with OP (commutative) over the work-group by warp shuffles: a butterfly leaves every lane
- * of a warp with the warp's result, one shared slot per warp carries those across, a second butterfly
- * combines them. Commutativity makes the results bit-identical in every thread, as the portable tree
- * gives them. The closing barrier keeps the portable contract: shared writes made before the call are
- * visible after it (attention relies on this), and `red` may be reused at once. */
-#define GROUP_REDUCE(T, red, v, OP)                                                                 \
+
+#ifdef HAS_SUBGROUP_REDUCE
+/* After a subgroup reduction: the first lane of each subgroup publishes its result and every thread
+ * combines them in subgroup order, the same order everywhere, so all threads hold the same bits. The
+ * closing barrier keeps the portable contract: local writes made before the call are visible after it
+ * (attention relies on this), and `red` may be reused at once. */
+#define ACROSS_SUBGROUPS(red, v, COMBINE)                                                           \
     do {                                                                                          \
-        const unsigned int mask_ = LSIZE >= WARP ? 0xffffffffu : (1u << LSIZE) - 1u;              \
-        for (int o_ = min(LSIZE, WARP) / 2; o_ > 0; o_ >>= 1) {                                   \
-            const T w_ = __shfl_xor_sync(mask_, v, o_);                                           \
-            v = OP(v, w_);                                                                        \
-        }                                                                                         \
-        if (LSIZE > WARP) {                                                                       \
-            if (TID % WARP == 0) red[TID / WARP] = v;                                             \
+        if (SG_COUNT > 1) {                                                                       \
+            if (SG_LANE == 0) red[SG_ID] = v;                                                     \
             BARRIER();                                                                            \
-            v = red[TID % (LSIZE / WARP)];                                                        \
-            for (int o_ = LSIZE / WARP / 2; o_ > 0; o_ >>= 1) {                                   \
-                const T w_ = __shfl_xor_sync(0xffffffffu, v, o_);                                 \
-                v = OP(v, w_);                                                                    \
-            }                                                                                     \
+            v = red[0];                                                                           \
+            for (int s_ = 1; s_ < SG_COUNT; ++s_) v = COMBINE(v, red[s_]);                        \
         }                                                                                         \
         BARRIER();                                                                                \
     } while (0)
@@ -55,8 +53,9 @@
 
 DEVICE float group_sum(LOCAL_PTR float* red, float v)
 {
-#ifdef __CUDACC__
-    GROUP_REDUCE(float, red, v, SUM);
+#ifdef HAS_SUBGROUP_REDUCE
+    v = SG_SUM(v);
+    ACROSS_SUBGROUPS(red, v, SUM);
     return v;
 #else
     red[TID] = v;
@@ -73,8 +72,9 @@ DEVICE float group_sum(LOCAL_PTR float* red, float v)
 
 DEVICE int group_sum_int(LOCAL_PTR int* red, int v)
 {
-#ifdef __CUDACC__
-    GROUP_REDUCE(int, red, v, SUM);
+#ifdef HAS_SUBGROUP_REDUCE
+    v = SG_SUM(v);
+    ACROSS_SUBGROUPS(red, v, SUM);
     return v;
 #else
     red[TID] = v;
@@ -91,8 +91,9 @@ DEVICE int group_sum_int(LOCAL_PTR int* red, int v)
 
 DEVICE float group_max(LOCAL_PTR float* red, float v)
 {
-#ifdef __CUDACC__
-    GROUP_REDUCE(float, red, v, fmaxf);
+#ifdef HAS_SUBGROUP_REDUCE
+    v = SG_MAX(v);
+    ACROSS_SUBGROUPS(red, v, fmaxf);
     return v;
 #else
     red[TID] = v;
@@ -111,8 +112,11 @@ DEVICE float group_max(LOCAL_PTR float* red, float v)
  * the quantized product, since q and d both flip sign. */
 DEVICE float group_max_magnitude(LOCAL_PTR float* red, float v)
 {
-#ifdef __CUDACC__
-    GROUP_REDUCE(float, red, v, MAX_MAGNITUDE);
+#ifdef HAS_SUBGROUP_REDUCE
+    /* The largest magnitude, then the largest value among the lanes that hold it. */
+    const float m = SG_MAX(fabsf(v));
+    v = SG_MAX(fabsf(v) == m ? v : NEG_INF);
+    ACROSS_SUBGROUPS(red, v, MAX_MAGNITUDE);
     return v;
 #else
     red[TID] = v;
@@ -129,12 +133,12 @@ DEVICE float group_max_magnitude(LOCAL_PTR float* red, float v)
 
 /* ---- number formats ------------------------------------------------------------------------------ */
 
-/* IEEE half bits to float, exact (subnormals, infinities and NaN included), without branches so that
- * it vectorizes; needs no cl_khr_fp16. */
+/* IEEE half bits to float, exact (subnormals, infinities and NaN included); the portable body has no
+ * branches, so that it vectorizes. */
 DEVICE float f16_to_f32(unsigned int h)
 {
-#ifdef __CUDACC__
-    return __half2float(__ushort_as_half((unsigned short)h));
+#ifdef HAS_F16
+    return F16_TO_F32(h);
 #else
     const unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     const float sub = (float)m * 5.9604644775390625e-8f; /* zero and subnormals: m * 2^-24, exact */
@@ -143,11 +147,32 @@ DEVICE float f16_to_f32(unsigned int h)
 #endif
 }
 
+/* Float to IEEE half bits, rounding to nearest even; overflow gives infinity, NaN stays NaN. The portable
+ * body rounds subnormals by a float addition that leaves the half's bits at the bottom of the word. */
+DEVICE unsigned int f32_to_f16(float f)
+{
+#ifdef HAS_F16
+    return F32_TO_F16(f);
+#else
+    const unsigned int x = AS_UINT(f), sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a >= 0x47800000u) return sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u); /* >= 65536, inf, NaN */
+    if (a < 0x38800000u) return sign | (AS_UINT(AS_FLOAT(a) + 0.5f) - 0x3f000000u); /* below 2^-14 */
+    return sign | ((a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13); /* rebias the exponent, round, shift */
+#endif
+}
+
+/* Float to bfloat16 bits (the high half), rounding to nearest even; NaN stays a (quiet) NaN. */
+DEVICE unsigned int f32_to_bf16(float f)
+{
+    const unsigned int x = AS_UINT(f);
+    return (x & 0x7fffffffu) > 0x7f800000u ? (x >> 16) | 0x40u : (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+}
+
 /* Sum of the four byte products: c holds four codes 0..2 (unsigned bytes), q four int8 values. */
 DEVICE int dot4_codes(unsigned int c, int q)
 {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
-    return __dp4a((int)c, q, 0);
+#ifdef HAS_DP4A
+    return DOT4_U8_I8(c, q);
 #else
     const unsigned int u = (unsigned int)q;
     return (int)(c & 0xffu) * ((int)(u << 24) >> 24) + (int)((c >> 8) & 0xffu) * ((int)(u << 16) >> 24)
@@ -164,10 +189,10 @@ DEVICE int dot4_codes(unsigned int c, int q)
 DEVICE int block_dot_i8(const unsigned int* w, const GLOBAL int* RESTRICT q)
 {
     int sum = 0;
-#ifdef __CUDACC__
-    /* The 8 activation words of each (h, k) step as two 128-bit loads: a block of q starts 256 bytes
-     * into a 256-byte aligned buffer (cuMemAlloc aligns that much), and nvcc cannot know it. */
-    const int4* q4 = (const int4*)q;
+#ifdef HAS_WIDE_LOADS
+    /* The 8 activation words of each (h, k) step as two 128-bit loads: a block of q starts a multiple of
+     * 256 bytes into an aligned buffer, and the compiler cannot know it. */
+    const GLOBAL int4* q4 = (const GLOBAL int4*)q;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -193,8 +218,8 @@ DEVICE int block_dot_i8(const unsigned int* w, const GLOBAL int* RESTRICT q)
 DEVICE float block_dot_f32(const unsigned int* w, const GLOBAL float* RESTRICT x)
 {
     float sum = 0.0f;
-#ifdef __CUDACC__
-#pragma unroll /* else sm_80+ keeps w[] in local memory (a 64-byte stack frame) to index it */
+#ifdef UNROLL_WORDS
+    UNROLL_WORDS /* else sm_80+ keeps w[] in local memory (a 64-byte stack frame) to index it */
 #endif
     for (int h = 0; h < 2; ++h)
         for (int k = 0; k < 4; ++k)
@@ -243,8 +268,8 @@ DEVICE void ternary_tile(const GLOBAL unsigned int* RESTRICT codes, const GLOBAL
     for (int b = lane; active && b < nb; b += lanes) {
         const size_t wb = (size_t)row * nb + b;
         unsigned int w[16];
-#ifdef __CUDACC__
-        const uint4* c4 = (const uint4*)(codes + wb * 16); /* 64 bytes per block: four 128-bit loads */
+#ifdef HAS_WIDE_LOADS
+        const GLOBAL uint4* c4 = (const GLOBAL uint4*)(codes + wb * 16); /* 64 bytes a block: four loads */
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const uint4 c = c4[i];
@@ -341,19 +366,19 @@ DEVICE float dense_weight(const GLOBAL unsigned short* RESTRICT w16, const GLOBA
     return fmt == FMT_F32 ? w32[i] : decode16(w16[i], fmt);
 }
 
-/* Elements i..i+7 of the table, as float. `vec`: cols % 8 == 0, so on CUDA they are 16-byte aligned
- * (buffers start 256-byte aligned) and load as 128-bit words; so do the activations (load8_f32). */
+/* Elements i..i+7 of the table, as float. `vec`: cols % 8 == 0, so they are 16-byte aligned and, with
+ * HAS_WIDE_LOADS, load as 128-bit words; so do the activations (load8_f32). */
 DEVICE void load8_weights(float* w, const GLOBAL unsigned short* RESTRICT w16, const GLOBAL float* RESTRICT w32,
                           int fmt, size_t i, int vec)
 {
-#ifdef __CUDACC__
+#ifdef HAS_WIDE_LOADS
     if (vec && fmt == FMT_F32) {
-        const float4 a = ((const float4*)(w32 + i))[0], b = ((const float4*)(w32 + i))[1];
+        const float4 a = ((const GLOBAL float4*)(w32 + i))[0], b = ((const GLOBAL float4*)(w32 + i))[1];
         w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
         return;
     }
     if (vec) {
-        const uint4 u = *(const uint4*)(w16 + i);
+        const uint4 u = *(const GLOBAL uint4*)(w16 + i);
         w[0] = decode16(u.x & 0xffffu, fmt); w[1] = decode16(u.x >> 16, fmt);
         w[2] = decode16(u.y & 0xffffu, fmt); w[3] = decode16(u.y >> 16, fmt);
         w[4] = decode16(u.z & 0xffffu, fmt); w[5] = decode16(u.z >> 16, fmt);
@@ -366,9 +391,9 @@ DEVICE void load8_weights(float* w, const GLOBAL unsigned short* RESTRICT w16, c
 
 DEVICE void load8_f32(float* v, const GLOBAL float* RESTRICT x, int vec)
 {
-#ifdef __CUDACC__
+#ifdef HAS_WIDE_LOADS
     if (vec) {
-        const float4 a = ((const float4*)x)[0], b = ((const float4*)x)[1];
+        const float4 a = ((const GLOBAL float4*)x)[0], b = ((const GLOBAL float4*)x)[1];
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         return;
     }
@@ -435,22 +460,17 @@ KERNEL lm_head_f32(const GLOBAL float* RESTRICT w, const GLOBAL float* RESTRICT 
     dense_tile(0, w, FMT_F32, x, y, rows, cols, n, lanes, red);
 }
 
-#ifdef __CUDACC__
-/* An uploaded table re-encoded once for the LM head (the CUDA plugin picks the format by compute
- * capability): src in format src_fmt, dst in dst_fmt, rounding to nearest even. CUDA only, for its
- * conversion intrinsics; the OpenCL plugin keeps tables as uploaded. */
+/* An uploaded table re-encoded once for the LM head (a host may pick the format per device): src in
+ * format src_fmt, dst in dst_fmt, rounding to nearest even. The unused pointer of each pair is a dummy. */
 KERNEL convert_table(const GLOBAL unsigned short* RESTRICT src16, const GLOBAL float* RESTRICT src32, int src_fmt,
-                     GLOBAL unsigned short* RESTRICT dst16, GLOBAL float* RESTRICT dst32, int dst_fmt,
-                     unsigned long long count)
+                     GLOBAL unsigned short* RESTRICT dst16, GLOBAL float* RESTRICT dst32, int dst_fmt, U64 count)
 {
-    for (size_t i = (size_t)GLOBAL_X; i < count; i += (size_t)LSIZE * gridDim.x) {
+    for (size_t i = (size_t)GLOBAL_X; i < count; i += (size_t)LSIZE * NUM_GROUPS_X) {
         const float v = dense_weight(src16, src32, src_fmt, i);
         if (dst_fmt == FMT_F32) dst32[i] = v;
-        else if (dst_fmt == FMT_F16) dst16[i] = __half_as_ushort(__float2half_rn(v));
-        else dst16[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+        else dst16[i] = (unsigned short)(dst_fmt == FMT_F16 ? f32_to_f16(v) : f32_to_bf16(v));
     }
 }
-#endif
 
 /* Index of the largest value of each row (group = row), first on ties; NaN is skipped. */
 KERNEL argmax_f32(const GLOBAL float* RESTRICT x, GLOBAL int* RESTRICT out, int cols)
@@ -464,27 +484,19 @@ KERNEL argmax_f32(const GLOBAL float* RESTRICT x, GLOBAL int* RESTRICT out, int 
         const float v = xr[e];
         if (v == v && (v > bv || bi == cols)) { bv = v; bi = e; }
     }
-#ifdef __CUDACC__
-    /* Warp shuffles of (value, index) pairs; (larger value, then smaller index) is a total order here
-     * (NaN never enters), so the butterfly finds the same winner as the tree below. */
-    const unsigned int mask = LSIZE >= WARP ? 0xffffffffu : (1u << LSIZE) - 1u;
-    for (int o = min(LSIZE, WARP) / 2; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(mask, bv, o);
-        const int oi = __shfl_xor_sync(mask, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-    if (LSIZE > WARP) {
-        if (TID % WARP == 0) { rv[TID / WARP] = bv; ri[TID / WARP] = bi; }
+#ifdef HAS_SUBGROUP_REDUCE
+    /* (larger value, then smaller index) is a total order here (NaN never enters), so the subgroup's
+     * largest value and the smallest index holding it are the winner the tree below finds. */
+    const float mv = SG_MAX(bv);
+    bi = SG_MIN(bv == mv ? bi : cols);
+    bv = mv;
+    if (SG_COUNT > 1) {
+        if (SG_LANE == 0) { rv[SG_ID] = bv; ri[SG_ID] = bi; }
         BARRIER();
-        if (TID < WARP) {
-            bv = rv[TID % (LSIZE / WARP)];
-            bi = ri[TID % (LSIZE / WARP)];
-            for (int o = LSIZE / WARP / 2; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-            }
-        }
+        bv = rv[0];
+        bi = ri[0];
+        for (int s = 1; s < SG_COUNT; ++s)
+            if (rv[s] > bv || (rv[s] == bv && ri[s] < bi)) { bv = rv[s]; bi = ri[s]; }
     }
     if (TID == 0) out[GROUP_X] = bi < cols ? bi : 0;
 #else

@@ -8,6 +8,8 @@ from typing import Any
 
 from bitnet.plugins.types import Device, ProbeResult
 
+PYCUDA_INSTALL = 'pip install "bitnet-cuda[pycuda]"'
+
 # What cuInit returns where no usable driver or device exists, by the description pycuda's error
 # carries (cuGetErrorString's text): used when the driver itself cannot be asked for the code.
 CUINIT_ERRORS = {
@@ -61,7 +63,7 @@ def probe() -> ProbeResult:
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("pycuda"):
             return ProbeResult.unavailable(
-                "pycuda is not installed (pip install pycuda; it needs the CUDA driver)")
+                f"pycuda is not installed ({PYCUDA_INSTALL}; it builds against the CUDA toolkit and driver)")
         return ProbeResult.unavailable(f"pycuda failed to import: {exc}")
     except ImportError as exc:
         # pycuda's extension links libcuda.so: without the driver the import itself fails.

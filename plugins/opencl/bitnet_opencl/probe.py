@@ -7,6 +7,28 @@ from typing import Any
 
 from bitnet.plugins.types import Device, ProbeResult
 
+from .icd import use_installed_runtimes
+
+# Device extension -> the feature macro of the kernel source it turns on (vendor_opencl.h maps them).
+FEATURES = {"cl_khr_integer_dot_product": "HAS_DP4A", "cl_khr_subgroups": "HAS_SUBGROUP_REDUCE",
+            "cl_intel_subgroups": "HAS_SUBGROUP_REDUCE", "cl_khr_fp16": "HAS_F16"}
+
+
+def opencl_c_version(dev: Any) -> tuple[int, int]:
+    """The OpenCL C version the device compiles ("OpenCL C 3.0 ..." -> (3, 0))."""
+    major, minor = dev.opencl_c_version.split()[2].split(".")[:2]
+    return int(major), int(minor)
+
+
+def device_features(dev: Any) -> tuple[str, ...]:
+    """The kernel source's feature macros this device has, from its extensions. The integer dot product's
+    built-ins are declared from OpenCL C 3.0 on only."""
+    ext = set(dev.extensions.split())
+    found = {macro for name, macro in FEATURES.items() if name in ext}
+    if opencl_c_version(dev) < (3, 0):
+        found.discard("HAS_DP4A")
+    return tuple(sorted(found))
+
 
 def _props(dev: Any, platform: Any) -> dict[str, Any]:
     import pyopencl as cl
@@ -21,11 +43,9 @@ def _props(dev: Any, platform: Any) -> dict[str, Any]:
         "max_clock_mhz": dev.max_clock_frequency, "type": cl.device_type.to_string(dev.type),
         "integer_dot_product": "cl_khr_integer_dot_product" in ext,
         "subgroups": "cl_khr_subgroups" in ext or "cl_intel_subgroups" in ext,
+        # The fast paths the provider compiles in for this device (the kernel source's feature macros).
+        "kernel_features": list(device_features(dev)),
     }
-    try:
-        props["sub_group_sizes"] = list(dev.sub_group_sizes_intel)
-    except Exception:  # only Intel drivers answer this query
-        pass
     return props
 
 
@@ -42,6 +62,7 @@ def probe() -> ProbeResult:
             return ProbeResult.unavailable("pyopencl is not installed (pip install pyopencl; "
                                            "`pyopencl[pocl]` adds a CPU OpenCL device)")
         return ProbeResult.unavailable(f"pyopencl is not importable ({type(exc).__name__}: {exc})")
+    use_installed_runtimes()
     try:
         platforms = list(enumerate(cl.get_platforms()))
     except Exception as exc:
