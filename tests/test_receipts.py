@@ -51,6 +51,7 @@ def open_engine(device: str) -> Engine:
 
 def generate(engine: Engine, sampling: dict[str, Any] = SAMPLING) -> str:
     engine.tokenizer.is_eog = lambda tok: False  # type: ignore[method-assign]  # a fixed token count
+    engine.reset()  # a whole prefill each time (last_row runs), not the prefix the previous run cached
     return "".join(engine.generate(PROMPT, **sampling))
 
 

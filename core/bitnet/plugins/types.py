@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -83,3 +84,11 @@ def host_cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of the host, where the OS says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -93,7 +93,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
         tokenizer = Tokenizer.from_metadata(model.metadata)
         if n_ctx is None:
             n_ctx = min(model.config.n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
-        check_kv_fits(model.config, n_ctx, selection.device)
+        check_kv_fits(model.config, n_ctx, *kv_home(provider, selection.device))
         template = templates.choose(model.metadata, tokenizer.has_token, chat_template)
         transformer = Transformer(model, provider, n_ctx, act_quant)
     except BaseException:
@@ -109,15 +109,24 @@ def kv_cache_bytes(config: ModelConfig, n_ctx: int, n_seqs: int = 1) -> int:
     return 2 * 4 * config.n_layers * n_ctx * config.n_kv_heads * config.head_dim * n_seqs
 
 
-def check_kv_fits(config: ModelConfig, n_ctx: int, device: Device | None, n_seqs: int = 1) -> None:
-    """A usage error, before anything is allocated, when the KV cache alone exceeds the device's memory."""
+def check_kv_fits(config: ModelConfig, n_ctx: int, memory_bytes: int | None, where: str, n_seqs: int = 1) -> None:
+    """A usage error, before anything is allocated, when the KV cache alone exceeds the memory it goes to."""
     need = kv_cache_bytes(config, n_ctx, n_seqs)
-    have = device.memory_bytes if device is not None else None
-    if have and need > have:
+    if memory_bytes and need > memory_bytes:
         seqs = f" x {n_seqs} sequences" if n_seqs > 1 else ""
         raise UsageError(f"n_ctx={n_ctx}{seqs} needs a {need / 2**30:.1f} GiB KV cache ({config.n_layers} layers x "
                          f"{config.n_kv_heads} KV heads x {config.head_dim} x K,V float32), more than the "
-                         f"{have / 2**30:.1f} GiB of {device.backend}:{device.index} ({device.name})")
+                         f"{memory_bytes / 2**30:.1f} GiB of {where}")
+
+
+def kv_home(provider: KernelProvider, device: Device | None) -> tuple[int | None, str]:
+    """The memory the KV cache goes to: the device's, or the host's when attention falls back to the host."""
+    from bitnet.plugins.types import host_memory_bytes
+    from bitnet.runtime.provider import native_operations
+
+    if device is not None and "attention" in native_operations(provider):
+        return device.memory_bytes, f"{device.backend}:{device.index} ({device.name})"
+    return host_memory_bytes(), "host memory (attention runs on the host)"
 
 
 class Engine:
@@ -148,6 +157,12 @@ class Engine:
     @property
     def n_ctx(self) -> int:
         return self.transformer.n_ctx
+
+    def reset(self) -> None:
+        """Forget the cached tokens: the next run computes its whole prompt (benchmarks want that)."""
+        self._epoch += 1
+        self._cached = []
+        self.transformer.reset()
 
     def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos)

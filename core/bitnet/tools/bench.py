@@ -175,6 +175,7 @@ def _bench_backend(request: str, config: BenchConfig, seen: set[str],
 
 
 def _generate(engine: Any, prompt: str, sampling: dict[str, Any]) -> tuple[str, float]:
+    engine.reset()  # every measured run prefills its whole prompt, not what the previous run left cached
     t0 = time.perf_counter()
     text = "".join(engine.generate(prompt, **sampling))
     return text, (time.perf_counter() - t0) * 1e3
