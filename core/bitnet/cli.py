@@ -137,6 +137,74 @@ def plugins(ctx: click.Context, as_json: bool) -> None:
         click.echo(line + (f" error: {p.error}" if p.error else ""))
 
 
+def _extra_sampling_options(f: Any) -> Any:
+    """Sampling options beyond temperature/top-k/top-p (bitnet.runtime.sampling has their semantics)."""
+    for option in reversed([
+        click.option("--min-p", type=float, default=0.0, show_default=True,
+                     help="Drop tokens less likely than min-p times the most likely (0 disables)."),
+        click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
+                     help="llama.cpp's repetition penalty over the last 64 tokens (1 disables)."),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+        click.option("--ignore-eos", is_flag=True, help="Never stop at an end-of-generation token."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _extra_sampling(engine: Any, min_p: float, repeat_penalty: float, presence_penalty: float,
+                    frequency_penalty: float, ignore_eos: bool) -> dict[str, Any]:
+    bias = {t: -100.0 for t in engine.tokenizer.eog_ids} if ignore_eos else None
+    return dict(min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, logit_bias=bias)
+
+
+@main.command()
+@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
+              help="GGUF model file. Default: a small built-in synthetic model (random weights, gibberish text).")
+@click.option("--system", "system", default=None, help="System prompt.")
+@click.option("--chat-template", default=None, metavar="NAME|FILE",
+              help="bitnet, llama3, chatml, falcon3, zephyr, or a Jinja file. Default: the model's own, else one "
+                   "chosen by its architecture and vocabulary.")
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Longest reply, in tokens.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@_extra_sampling_options
+@click.option("--seed", type=int, default=None, help="Sampling seed.")
+@click.option("--n-ctx", type=click.IntRange(min=1), default=None,
+              help="Context length (default: the model's, at most 4096).")
+@click.option("--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True)
+@click.option("--verbose", "-v", is_flag=True, help="After each reply: tokens reused from the cache, prefill, speed.")
+@click.pass_context
+def chat(ctx: click.Context, model: str | None, system: str | None, chat_template: str | None, max_tokens: int,
+         temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, presence_penalty: float,
+         frequency_penalty: float, ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str,
+         verbose: bool) -> None:
+    """Chat with a model: replies stream; the KV cache carries over between turns.
+
+    On a terminal: /clear, /system TEXT, /exit (or Ctrl-D); Ctrl-C stops the reply being written.
+    With stdin not a terminal, each line is one user message and each reply one line of output.
+    """
+    from bitnet import repl
+    from bitnet.runtime.conversation import Conversation
+    from bitnet.runtime.engine import load
+
+    with _load_progress() as progress:
+        engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant, progress=progress,
+                      chat_template=chat_template)
+    with engine:
+        click.echo(engine.summary, err=True)
+        if engine.chat_template.note or verbose:
+            click.echo(f"chat template: {engine.chat_template.name}"
+                       + (f" ({engine.chat_template.note})" if engine.chat_template.note else ""), err=True)
+        sampling = _extra_sampling(engine, min_p, repeat_penalty, presence_penalty, frequency_penalty, ignore_eos)
+        conversation = Conversation(engine, system, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                    top_p=top_p, seed=seed, **sampling)
+        repl.run(conversation, interactive=sys.stdin.isatty(), verbose=verbose)
+
+
 @main.command()
 @click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
               help="GGUF model file. Default: a small built-in synthetic model (random weights, gibberish text).")
@@ -145,6 +213,7 @@ def plugins(ctx: click.Context, as_json: bool) -> None:
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
+@_extra_sampling_options
 @click.option("--seed", type=int, default=None, help="Sampling seed: the same seed gives the same text.")
 @click.option("--n-ctx", type=click.IntRange(min=1), default=None,
               help="Context length (default: the model's, at most 4096).")
@@ -156,7 +225,8 @@ def plugins(ctx: click.Context, as_json: bool) -> None:
                    "A fake device (BITNET_GPU_FAKE) gets a compute_path fake receipt, then exit 3.")
 @click.pass_context
 def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, temperature: float, top_k: int,
-        top_p: float, seed: int | None, n_ctx: int | None, act_quant: str, stop: tuple[str, ...],
+        top_p: float, min_p: float, repeat_penalty: float, presence_penalty: float, frequency_penalty: float,
+        ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str, stop: tuple[str, ...],
         receipt: str | None) -> None:
     """Generate text: it streams to stdout; selection and timings go to stderr."""
     try:
@@ -180,8 +250,9 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
     with engine:
         click.echo(engine.summary, err=True)
         pieces = []
+        extra = _extra_sampling(engine, min_p, repeat_penalty, presence_penalty, frequency_penalty, ignore_eos)
         for piece in engine.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, stop=stop):
+                                     top_p=top_p, seed=seed, stop=stop, **extra):
             pieces.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()

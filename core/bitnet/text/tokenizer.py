@@ -573,6 +573,11 @@ class Tokenizer:
 
         return feed
 
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        """Every token that ends generation (EOS, EOT, EOM, end-of-turn tokens: llama.cpp's set)."""
+        return self._eog_ids
+
     def has_token(self, text: str) -> bool:
         """Whether the vocabulary has a token spelled exactly `text` (e.g. "<|im_start|>")."""
         return text in self._token_to_id

@@ -1,0 +1,103 @@
+"""The `bitnet-select chat` loop: read a message, stream the reply, keep the conversation.
+
+On a terminal it prompts (`>>> `, with line editing where Python has readline); Ctrl-C ends the
+reply being written, not the chat; Ctrl-D or /exit ends the chat. With stdin not a terminal each
+line is one user message and only the replies are written, one per line, so it can be scripted.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from bitnet.errors import UsageError
+from bitnet.runtime.conversation import Conversation
+
+HELP = """/clear          forget the conversation (the system prompt stays)
+/system TEXT    set the system prompt (no TEXT: remove it)
+/exit, /bye     end the chat (also Ctrl-D)
+/help           this list
+Ctrl-C stops the reply being written."""
+
+
+def run(conversation: Conversation, interactive: bool, verbose: bool, stdin: TextIO = sys.stdin,
+        out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        print(f"chat with {conversation.engine.name} (/help for commands, Ctrl-D to quit)", file=err)
+    while True:
+        try:
+            line = _read(interactive, stdin)
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+            print("\n(/exit or Ctrl-D to quit)", file=err)
+            continue
+        if line is None:
+            return
+        text = line.rstrip("\r\n")
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            if _command(conversation, text, err):
+                return
+            continue
+        _turn(conversation, text, verbose, out, err)
+
+
+def _read(interactive: bool, stdin: TextIO) -> str | None:
+    if interactive:
+        try:
+            return input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return None
+    line = stdin.readline()
+    return line if line else None
+
+
+def _command(conversation: Conversation, text: str, err: TextIO) -> bool:
+    """Run a /command; True when the chat should end."""
+    name, _, arg = text.partition(" ")
+    if name in ("/exit", "/bye", "/quit"):
+        return True
+    if name == "/clear":
+        conversation.clear()
+        print("(conversation cleared)", file=err)
+    elif name == "/system":
+        conversation.set_system(arg.strip())
+        print("(system prompt set)" if arg.strip() else "(system prompt removed)", file=err)
+    elif name == "/help":
+        print(HELP, file=err)
+    else:
+        print(f"unknown command {name}: /help lists them", file=err)
+    return False
+
+
+def _turn(conversation: Conversation, text: str, verbose: bool, out: TextIO, err: TextIO) -> None:
+    pieces = conversation.reply(text)
+    interrupted = False
+    try:
+        for piece in pieces:
+            out.write(piece)
+            out.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    except UsageError as exc:  # e.g. one message longer than the whole context: the chat goes on
+        print(f"error: {exc}", file=err)
+        return
+    finally:
+        pieces.close()  # the reply joins the conversation as far as it got
+    out.write("\n")
+    out.flush()
+    if interrupted:
+        print("(reply stopped)", file=err)
+    if conversation.dropped:
+        print(f"(context full: dropped the {conversation.dropped} oldest message(s); the system prompt stays)",
+              file=err)
+    if verbose:
+        s = conversation.engine.stats
+        print(f"prompt {s.prompt_tokens} tokens: {s.cached_tokens} reused from the cache, "
+              f"{s.prompt_tokens - s.cached_tokens} prefilled in {s.prefill_ms:.1f} ms; reply "
+              f"{s.generated_tokens} tokens at {s.decode_tps:.1f} tokens/s", file=err)

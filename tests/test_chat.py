@@ -1,0 +1,203 @@
+"""Chat through the engine, the Conversation and `bitnet-select chat` (scripted and on a real terminal)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import bitnet
+from bitnet.errors import UsageError
+from bitnet.modelfile.writer import SyntheticSpec, write_model
+from bitnet.runtime.conversation import Conversation
+from bitnet.runtime.engine import Engine
+from conftest import cli_env, run_cli
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    path = write_model(tmp_path_factory.mktemp("chat") / "m.gguf", SyntheticSpec(arch="bitnet-b1.58", n_ctx=256))
+    with bitnet.load(str(path), device="cpu") as e:
+        yield e
+
+
+def test_apply_chat_template_text_and_ids(engine: Engine) -> None:
+    text = engine.apply_chat_template(HELLO, tokenize=False)
+    assert text == "<|begin_of_text|>User: Hello<|eot_id|>Assistant: "
+    ids = engine.apply_chat_template(HELLO)
+    assert ids[0] == engine.tokenizer.bos_id and ids.count(engine.tokenizer.bos_id) == 1
+    assert engine.tokenizer.eot_id in ids  # parsed as the special token, not spelled out
+    assert engine.apply_chat_template(HELLO, add_generation_prompt=False, tokenize=False).endswith("<|eot_id|>")
+
+
+def test_generation_stops_at_the_end_of_turn_token(engine: Engine) -> None:
+    eot = engine.tokenizer.eot_id
+    assert "".join(engine.chat(HELLO, max_tokens=8, logit_bias={eot: 100})) == ""
+    assert engine.stats.finish_reason == "stop" and engine.stats.generated_tokens == 1
+    banned = {t: -100 for t in engine.tokenizer.eog_ids}
+    list(engine.chat(HELLO, max_tokens=8, logit_bias=banned))
+    assert engine.stats.finish_reason == "length" and engine.stats.generated_tokens == 8
+
+
+def test_the_next_turn_prefills_only_its_own_tokens(engine: Engine) -> None:
+    banned = {t: -100 for t in engine.tokenizer.eog_ids}
+    conv = Conversation(engine, "Be brief.", max_tokens=6, logit_bias=banned)
+    first = "".join(conv.reply("Hello"))
+    n_first = engine.stats.prompt_tokens
+    second = "".join(conv.reply("And again?"))
+    s = engine.stats
+    assert s.cached_tokens >= n_first - 1 and s.prompt_tokens > n_first
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert conv.messages[2]["content"] == first
+    # The cache changes nothing: the same turn computed from scratch gives the same reply.
+    ids = engine.apply_chat_template(conv.messages[:4])
+    engine.reset()
+    assert "".join(engine.generate(ids, max_tokens=6, logit_bias=banned)) == second
+    assert engine.stats.cached_tokens == 0
+
+
+def test_a_full_context_drops_the_oldest_exchanges_and_keeps_the_system_prompt(engine: Engine) -> None:
+    banned = {t: -100 for t in engine.tokenizer.eog_ids}
+    conv = Conversation(engine, "Keep me.", max_tokens=40, logit_bias=banned)
+    dropped = 0
+    for i in range(12):
+        "".join(conv.reply(f"message number {i} with some words in it"))
+        assert len(engine.apply_chat_template(conv.messages[:-1])) + 40 <= engine.n_ctx
+        dropped += conv.dropped
+    assert dropped > 0
+    assert conv.messages[0] == {"role": "system", "content": "Keep me."}
+    assert conv.messages[-2]["content"] == "message number 11 with some words in it"
+    with pytest.raises(UsageError, match="context holds 256"):
+        "".join(conv.reply("word " * 400))
+    assert conv.messages[-1]["role"] == "assistant"  # the refused message did not stay
+
+
+def test_openai_shaped_chat_completion(engine: Engine) -> None:
+    r = engine.create_chat_completion(HELLO, max_tokens=5, logprobs=True, top_logprobs=3)
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") and r["model"] == "m.gguf"
+    choice = r["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+    content = choice["logprobs"]["content"]
+    n_prompt = len(engine.apply_chat_template(HELLO))
+    assert r["usage"]["completion_tokens"] == len(content) and r["usage"]["prompt_tokens"] == n_prompt
+    assert r["usage"]["total_tokens"] == n_prompt + len(content)
+    for entry in content:
+        assert len(entry["top_logprobs"]) == 3 and entry["logprob"] <= 0
+        assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"]
+    assert engine.create_chat_completion(HELLO, max_tokens=5)["choices"][0]["logprobs"] is None
+
+
+def test_streamed_chunks_add_up_to_the_whole_reply(engine: Engine) -> None:
+    whole = engine.create_chat_completion(HELLO, max_tokens=6, seed=3, temperature=0.9)
+    chunks = list(engine.create_chat_completion(HELLO, max_tokens=6, seed=3, temperature=0.9, stream=True))
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
+def test_openai_shaped_text_completion(engine: Engine) -> None:
+    r = engine.create_completion("Hello", max_tokens=4, logprobs=2)
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-")
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == r["usage"]["completion_tokens"]
+    chunks = list(engine.create_completion("Hello", max_tokens=4, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == r["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda e: e.create_chat_completion(HELLO, top_logprobs=2), "needs logprobs"),
+    (lambda e: e.create_chat_completion(HELLO, logprobs=True, top_logprobs=99), "top_logprobs"),
+    (lambda e: e.create_chat_completion(HELLO, stream="yes"), "stream must be"),
+    (lambda e: e.create_chat_completion([], max_tokens=2), "non-empty list"),
+    (lambda e: e.create_completion("x", best_of=2), "unknown sampling option"),
+    (lambda e: e.create_completion("x", logit_bias={"99999": 1}), "out of range"),
+    (lambda e: e.create_completion("x", max_tokens=10_000), "exceeds the context"),
+    (lambda e: list(e.generate([5, 10**6])), "token id out of range"),
+])
+def test_bad_requests_are_usage_errors_before_any_compute(engine: Engine, call: Any, match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        call(engine)
+
+
+# -- bitnet-select chat ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return cli_env(BITNET_CACHE_DIR=str(tmp_path_factory.mktemp("cache")), BITNET_DEVICE="cpu")
+
+
+def run_chat(env: dict[str, str], stdin: str, *args: str) -> Any:
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "bitnet", "chat", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_scripted_chat_prints_one_reply_per_line(env: dict[str, str]) -> None:
+    r = run_chat(env, "Hello\nWhat did I just say?\n", "--max-tokens", "16", "--verbose", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) >= 2 and r.stdout.endswith("\n")
+    turns = [ln for ln in r.stderr.splitlines() if ln.startswith("prompt ")]
+    assert len(turns) == 2 and " 0 reused from the cache" in turns[0]
+    reused = int(turns[1].split(":")[1].split()[0])
+    assert reused >= 19, turns  # the first turn's prompt (19 tokens) is not computed again
+    assert "selected=cpu" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_scripted_commands(env: dict[str, str]) -> None:
+    r = run_chat(env, "/system Be brief.\nHi\n/clear\n/nonsense\nHi\n/exit\nnever read\n", "-n", "4", "-v")
+    assert r.returncode == 0, r.stderr
+    assert "(system prompt set)" in r.stderr and "(conversation cleared)" in r.stderr
+    assert "unknown command /nonsense" in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("prompt ")]) == 2
+
+
+def test_chat_errors_are_one_line(env: dict[str, str], tmp_path: Path) -> None:
+    r = run_chat(env, "Hi\n", "--chat-template", "nope")
+    assert r.returncode == 2 and "neither a built-in" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for %}")
+    r = run_chat(env, "Hi\n", "--chat-template", str(bad))
+    assert r.returncode == 0 and "error: chat template" in r.stderr  # the chat goes on after a bad turn
+    r = run_chat(env, "Hi\n", "--min-p", "3")
+    assert r.returncode == 2 and "min_p" in r.stderr
+
+
+def test_terminal_chat_ctrl_c_ends_the_reply_not_the_chat(env: dict[str, str]) -> None:
+    pexpect = pytest.importorskip("pexpect", reason="pexpect drives the terminal")
+    child = pexpect.spawn(sys.executable, ["-m", "bitnet", "chat", "--n-ctx", "2048", "-n", "2000", "--ignore-eos"],
+                          env=env, encoding="utf-8", timeout=120)
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("Hello")
+        child.expect(r"\S{20}")  # the reply is streaming
+        t0 = time.monotonic()
+        child.sendintr()
+        child.expect_exact("(reply stopped)")
+        assert time.monotonic() - t0 < 30
+        child.expect_exact(">>> ")  # the chat goes on
+        child.sendline("/clear")
+        child.expect_exact("(conversation cleared)")
+        child.expect_exact(">>> ")
+        child.sendintr()  # at the prompt: a hint, not an exit
+        child.expect_exact("(/exit or Ctrl-D to quit)")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)  # ends this process group's child by its own pid, whatever happened
+    assert child.exitstatus == 0, child.before
+
+
+def test_run_accepts_the_new_sampling_options() -> None:
+    r = run_cli("--device", "cpu", "run", "-p", "Hi", "-n", "4", "--min-p", "0.1", "--repeat-penalty", "1.2",
+                "--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--temperature", "0.7", "--seed", "1")
+    assert r.returncode == 0, r.stderr
