@@ -1,5 +1,7 @@
-"""Whole models on the OpenCL backend (PoCL in CI) against the CPU plugin: logits, greedy tokens, repeated
-runs on one engine, the program cache and device out-of-memory.
+"""Whole models on the OpenCL backend against the CPU plugin: logits, greedy tokens, repeated runs on one
+engine, the program cache and device out-of-memory. Every test runs on each OpenCL platform present
+(BITNET_OPENCL_PLATFORM names it): PoCL runs the portable kernel paths, Intel's CPU runtime the subgroup,
+dot-product and f16 ones.
 
 Agreement rule (the integer parts of BitLinear are exact on both backends; float summation order is not):
 - act_quant "none": at every position, max |opencl - cpu| <= 5e-3 * max |cpu logit| of that position
@@ -34,7 +36,7 @@ import numpy as np
 import pytest
 
 import bitnet
-from bitnet.errors import NoBackendError
+from bitnet.errors import NoBackendError, UsageError
 from bitnet.modelfile.ternary import from_values
 from bitnet.modelfile.writer import SyntheticSpec, write_model
 from bitnet.testing import operation_support
@@ -42,18 +44,30 @@ from conftest import cli_env, run_cli
 
 cl = pytest.importorskip("pyopencl")
 
+from bitnet_opencl.icd import use_installed_runtimes  # noqa: E402 (needs a working pyopencl)
+from bitnet_opencl.provider import OpenCLProvider  # noqa: E402
 
-def _has_device() -> bool:
+use_installed_runtimes()  # before this process's first OpenCL call, so Intel's runtime is listed too
+
+
+def _platforms() -> list[str]:
+    """The platforms that have a device, by name."""
     try:
-        return any(p.get_devices() for p in cl.get_platforms())
+        return [p.name.strip() for p in cl.get_platforms() if p.get_devices()]
     except cl.Error:
-        return False
+        return []
 
 
+PLATFORMS = _platforms()
 pytestmark = [pytest.mark.opencl,
-              pytest.mark.skipif(not _has_device(), reason="pyopencl finds no OpenCL platform with a device")]
+              pytest.mark.skipif(not PLATFORMS, reason="pyopencl finds no OpenCL platform with a device")]
 
-from bitnet_opencl.provider import OpenCLProvider  # noqa: E402 (needs a working pyopencl)
+
+@pytest.fixture(autouse=True, params=PLATFORMS)
+def platform(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`device="opencl"` opens the first device of this platform (fresh processes get it through env=)."""
+    monkeypatch.setenv("BITNET_OPENCL_PLATFORM", request.param)
+    return request.param
 
 TOL = {"none": 5e-3, "row": 0.05, "block256": 0.05}  # see the module docstring
 N_CTX = 192
@@ -103,12 +117,13 @@ def check_agreement(got: np.ndarray, want: np.ndarray, mode: str) -> None:
 # -- logits ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_per_position_logits_match_the_cpu_plugin(models, name, mode):
+def test_per_position_logits_match_the_cpu_plugin(models, name, mode, platform):
     vocab = MODELS[name].vocab_size
     ids = np.random.default_rng(len(name)).integers(0, vocab, 128).astype(np.int32)
     with bitnet.load(models[name], device="cpu", act_quant=mode) as cpu, \
             bitnet.load(models[name], device="opencl", act_quant=mode) as ocl:
         assert ocl.provider.backend == "opencl" and cpu.provider.backend == "cpu"
+        assert ocl.provider.cl_device.platform.name.strip() == platform
         want, got = cpu.logits(ids), ocl.logits(ids)
         # The mode reached the device: only the int8 modes quantize, and nothing fell back to the CPU
         # (an operation the provider stopped implementing would run on the host and be counted).
@@ -227,10 +242,11 @@ def compiled_files(cache: Path) -> dict[str, tuple[int, int]]:
             if f.is_file() and (f.suffix in (".bc", ".so") or f.name == "binary")}
 
 
-def test_second_start_uses_the_program_cache(models, tmp_path):
+def test_second_start_uses_the_program_cache(models, tmp_path, platform):
     """Two fresh processes with an empty cache directory: the first compiles and stores, the second
     compiles nothing (its compiled files are the first's, untouched). Both report first-token latency."""
-    env = cli_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), BITNET_CACHE_DIR=str(tmp_path / "bitnet"))
+    env = cli_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), BITNET_CACHE_DIR=str(tmp_path / "bitnet"),
+                  BITNET_OPENCL_PLATFORM=platform)
     env.pop("POCL_CACHE_DIR", None)
     (tmp_path / "xdg").mkdir()
     runs = []
@@ -266,30 +282,26 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[OpenCLProvider]:
     return made
 
 
-def _fmt_gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.1f} GiB"
-
-
-def test_absurd_context_is_one_clear_error_and_nothing_stays_allocated(models, spy):
+def test_absurd_context_is_a_usage_error_before_anything_is_allocated(models, spy):
+    """The engine checks the KV cache against the device's memory before the provider allocates."""
     spec = MODELS["bitnet-tq2_0-gqa-tied"]
     n_ctx = 100_000_000
-    head_dim = spec.dim // spec.n_heads
-    k_bytes = spec.n_layers * spec.n_kv_heads * n_ctx * head_dim * 4
-    with pytest.raises(NoBackendError) as err:
+    kv_gib = 2 * spec.n_layers * spec.n_kv_heads * n_ctx * (spec.dim // spec.n_heads) * 4 / (1 << 30)
+    with pytest.raises(UsageError) as err:
         bitnet.load(models["bitnet-tq2_0-gqa-tied"], device="opencl", n_ctx=n_ctx)
     msg = str(err.value)
     (provider,) = spy
-    assert "\n" not in msg and "out of memory" in msg and "KV cache K" in msg
-    assert _fmt_gib(k_bytes) in msg and _fmt_gib(provider.pool.max_alloc) in msg, msg
-    assert provider.closed and provider.pool.stats.current == 0 and provider.leaks() == []
+    assert "\n" not in msg and f"{kv_gib:.1f} GiB KV cache" in msg, msg
+    assert f"{provider.device.memory_bytes / (1 << 30):.1f} GiB of opencl:" in msg, msg
+    assert provider.closed and provider.pool.stats.allocations == 0 and provider.leaks() == []
 
 
-def test_absurd_context_through_the_cli_exits_3_on_one_line(models):
+def test_absurd_context_through_the_cli_exits_2_on_one_line(models, platform):
     r = run_cli("--device", "opencl", "run", "--model", str(models["bitnet-tq2_0-gqa-tied"]), "--prompt", "x",
-                "--n-ctx", "100000000", env=cli_env())
-    assert r.returncode == 3, r.stderr
+                "--n-ctx", "100000000", env=cli_env(BITNET_OPENCL_PLATFORM=platform))
+    assert r.returncode == 2, r.stderr
     errors = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("requested=")]
-    assert len(errors) == 1 and errors[0].startswith("error: OpenCL device ") and "out of memory" in errors[0]
+    assert len(errors) == 1 and errors[0].startswith("error: n_ctx=100000000 needs a ") and "KV cache" in errors[0]
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
@@ -299,6 +311,18 @@ def engine(models):
     yield eng
     eng.close()
     assert eng.provider.pool.stats.current == 0
+
+
+def test_a_buffer_beyond_the_device_limit_is_refused_before_the_driver_is_asked(engine):
+    """The pool's own check, below the engine's: one buffer larger than the device allows."""
+    p = engine.provider
+    pool = p.pool
+    held, allocations = pool.stats.current, pool.stats.allocations
+    n_ctx = pool.max_alloc // (8 * 64 * 4) + 1  # one position more than a buffer may hold
+    with pytest.raises(NoBackendError, match=rf"KV cache K of {n_ctx} positions needs .*; the device allows at "
+                                             rf"most {pool.max_alloc / (1 << 30):.1f} GiB in one buffer"):
+        p.kv_cache(1, n_ctx, 8, 64)
+    assert (pool.stats.current, pool.stats.allocations) == (held, allocations) and p.leaks() == []
 
 
 def test_a_failure_midway_releases_what_the_call_allocated(engine):
