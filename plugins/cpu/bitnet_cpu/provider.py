@@ -158,7 +158,8 @@ class CpuProvider(ReferenceProvider):
         out = np.empty((x.shape[0], table.shape[0]), dtype=np.float32)
         if table.dtype == np.float16:
             self.record("cpu.lm_head_f16")
-            fk.lm_head_f16(x, np.ascontiguousarray(table).view(np.uint16), _LM_HEAD_ROWS, out)
+            kernel = fk.lm_head_f16 if x.shape[0] == 1 else fk.lm_head_f16_batch
+            kernel(x, np.ascontiguousarray(table).view(np.uint16), _LM_HEAD_ROWS, out)
         else:
             self.record("cpu.lm_head_f32")
             fk.lm_head_f32(x, np.ascontiguousarray(table, dtype=np.float32), _LM_HEAD_ROWS, out)
@@ -188,8 +189,7 @@ class CpuProvider(ReferenceProvider):
         self._use_threads()
         gate = np.ascontiguousarray(gate, dtype=np.float32)
         out = np.empty_like(gate)
-        kernel = fk.act_mul if gate.shape[0] == 1 else fk.act_mul_parallel
-        kernel(gate, np.ascontiguousarray(up, dtype=np.float32), act == "relu2", out)
+        fk.act_mul(gate, np.ascontiguousarray(up, dtype=np.float32), act == "relu2", out)
         return out
 
     def rope(self, x: Any, n_heads: int, head_dim: int, pos0: int, theta: float) -> Any:

@@ -70,7 +70,7 @@ def _amax(x: np.ndarray) -> np.float32:
     return m
 
 
-@njit(cache=CACHE)
+@njit(inline="always", cache=CACHE)
 def _quantize_block(x: np.ndarray, src: int, scale: np.float32, q: np.ndarray, dst: int, rev: bool) -> int:
     """q[dst:dst+256] = clamp(rint(x[src:src+256] * scale)) in byte order (with rev, the byte order
     of weights whose fields are reversed: field f holds the columns of field 3 - f); returns their sum."""
@@ -86,7 +86,7 @@ def _quantize_block(x: np.ndarray, src: int, scale: np.float32, q: np.ndarray, d
     return acc
 
 
-@njit(cache=CACHE)
+@njit(inline="always", cache=CACHE)
 def quantize_rows(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndarray, rev: bool) -> None:
     """BitNet per-row int8: s = 127/max|x| (1 for a zero row), q = clamp(rint(x*s)) in byte order,
     qsum[t, b] = sum of block b's q."""
@@ -99,7 +99,7 @@ def quantize_rows(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndarray,
             qsum[t, b] = _quantize_block(x[t], b * BLOCK, st, q[t], b * BLOCK, rev)
 
 
-@njit(cache=CACHE)
+@njit(inline="always", cache=CACHE)
 def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray, rev: bool) -> None:
     """llama.cpp's Q8_K per 256-block: v the first value of largest magnitude, iscale = -127/v,
     q = clamp(rint(x*iscale)) in byte order, d = 1/iscale; an all-zero block gets q = 0, d = 0."""
@@ -116,7 +116,8 @@ def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray, 
                     v = x[t, base + i]
             if v == 0:
                 d[t, b] = 0.0
-                q[t, base:base + BLOCK] = 0
+                for i in range(BLOCK):
+                    q[t, base + i] = 0
                 qsum[t, b] = 0
             else:
                 iscale = np.float32(-127.0) / v
@@ -126,14 +127,15 @@ def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray, 
 
 # -- BitLinear drivers ----------------------------------------------------------------------------
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True, inline="always", cache=CACHE)
 def matmul_rowscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, s: np.ndarray, row_scale: np.ndarray,
                     out: np.ndarray) -> None:
     """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row."""
     rows, nb, n = codes.shape[0], codes.shape[1], q.shape[0]
     wstride, bstride, qstride = codes.strides[0], codes.strides[1], q.strides[0]
-    qtot = np.zeros(n, np.int64)
+    qtot = np.empty(n, np.int64)
     for t in range(n):
+        qtot[t] = 0
         for b in range(nb):
             qtot[t] += qsum[t, b]
     for task in prange((rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
@@ -154,7 +156,7 @@ def matmul_rowscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, s: np.nd
                                            / np.float64(s[t]))
 
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True, inline="always", cache=CACHE)
 def matmul_blockscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, scales: np.ndarray,
                       act_scale: np.ndarray, per_block_act: bool, out: np.ndarray) -> None:
     """Per-block weight scales and/or per-block activation scales.
@@ -192,7 +194,7 @@ def matmul_blockscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, scales
 # -- BitLinear entry points: quantize and multiply in one call from Python --------------------------
 # (Decode makes 210 of these calls per token: each Python-side allocation or dispatch saved counts.)
 
-@njit(cache=CACHE)
+@njit(parallel=True, cache=CACHE)
 def bitlinear_row_rowscale(x: np.ndarray, codes: np.ndarray, row_scale: np.ndarray, rev: bool) -> np.ndarray:
     """"row" quantization, one weight scale per row: y [n, rows]."""
     n, cols = x.shape
@@ -204,7 +206,7 @@ def bitlinear_row_rowscale(x: np.ndarray, codes: np.ndarray, row_scale: np.ndarr
     return out
 
 
-@njit(cache=CACHE)
+@njit(parallel=True, cache=CACHE)
 def bitlinear_row_blockscale(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, rev: bool) -> np.ndarray:
     """"row" quantization, a weight scale per 256-block: y [n, rows]."""
     n, cols = x.shape
@@ -216,7 +218,7 @@ def bitlinear_row_blockscale(x: np.ndarray, codes: np.ndarray, scales: np.ndarra
     return out
 
 
-@njit(cache=CACHE)
+@njit(parallel=True, cache=CACHE)
 def bitlinear_block256(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, rev: bool) -> np.ndarray:
     """"block256" (Q8_K) quantization: y [n, rows]."""
     n, cols = x.shape
