@@ -3,7 +3,7 @@
 `bitnet_kernels.c` is written in the C subset OpenCL C and CUDA share; a vendor header spells the rest
 (qualifiers, index macros, barriers, math names) and maps the feature macros (HAS_DP4A,
 HAS_SUBGROUP_REDUCE, HAS_F16, HAS_WIDE_LOADS) to its built-ins. Two headers ship here; a third party
-passes its own (HIP, Level Zero, Metal through a translator) to `source`. `host.GpuProvider` is the host
+passes its own (HIP, Level Zero, Metal) to `source`. `host.GpuProvider` is the host
 side: a plugin supplies allocate, free, copy, build and launch.
 """
 
