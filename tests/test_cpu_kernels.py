@@ -286,6 +286,42 @@ def test_elementwise_kernels(cpu_float: CpuProvider, n: int) -> None:
     np.testing.assert_array_equal(cpu_float.add(x, y), REF.add(x, y))
 
 
+# -- batch invariance: a row's result never depends on the other rows of its batch ---------------------------
+
+def one_by_one(op, x: np.ndarray) -> np.ndarray:
+    return np.concatenate([op(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("mode", ["row", "block256", "none"])
+@pytest.mark.parametrize("block_scales", [False, True], ids=["rowscale", "blockscale"])
+def test_bitlinear_is_batch_invariant(cpu: CpuProvider, mode: str, block_scales: bool) -> None:
+    rng = np.random.default_rng(14)
+    w = cpu.upload_ternary(ternary(rng, 300, 1280, block_scales))
+    x = rng.standard_normal((9, 1280)).astype(np.float32)  # 9: two full prefill tiles and a ragged one
+    np.testing.assert_array_equal(cpu.bitlinear(x, w, mode), one_by_one(lambda r: cpu.bitlinear(r, w, mode), x))
+
+
+def test_float_kernels_are_batch_invariant(cpu_float: CpuProvider) -> None:
+    cpu, rng = cpu_float, np.random.default_rng(15)
+    x, y = rng.standard_normal((2, 7, 512)).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, 512).astype(np.float32)
+    ops = {"rmsnorm": lambda r: cpu.rmsnorm(r, norm, 1e-5), "relu2": lambda r: cpu.act_mul(r, r * 0.5, "relu2"),
+           "silu": lambda r: cpu.act_mul(r, r * 0.5, "silu")}
+    for dtype in (np.float16, np.float32):
+        table = cpu.upload_float(rng.standard_normal((1500, 512)).astype(dtype))
+        ops[f"lm_head_{np.dtype(dtype).name}"] = lambda r, table=table: cpu.lm_head(r, table)
+    for name, op in ops.items():
+        np.testing.assert_array_equal(op(x), one_by_one(op, x), err_msg=name)
+    rows = [cpu.rope(x[i:i + 1], 4, 128, 100 + i, 10000.0) for i in range(7)]  # row i is at position 100 + i
+    np.testing.assert_array_equal(cpu.rope(x, 4, 128, 100, 10000.0), np.concatenate(rows))
+    # Attention: a prefill of 7 rows gives each row what 7 one-token steps give it.
+    caches = cpu.kv_cache(1, 16, 2, 64), cpu.kv_cache(1, 16, 2, 64)
+    k = y[:, :128]
+    batch = cpu.attention(x[:, :256], k, k * 2, caches[0], 0, 0, 4, 2, 64)
+    steps = [cpu.attention(x[i:i + 1, :256], k[i:i + 1], k[i:i + 1] * 2, caches[1], 0, i, 4, 2, 64) for i in range(7)]
+    np.testing.assert_array_equal(batch, np.concatenate(steps))
+
+
 def test_threads_give_the_same_results() -> None:
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one numba thread only")

@@ -55,7 +55,10 @@ def host_levels() -> tuple[str, ...]:
         return ("generic",)  # numba compiles for another CPU (NUMBA_CPU_NAME): no host-specific intrinsics
     from llvmlite import binding
 
-    f = binding.get_host_cpu_features()
+    f = dict(binding.get_host_cpu_features())
+    for flag in (config.CPU_FEATURES or "").split(","):  # numba compiles with NUMBA_CPU_FEATURES if set
+        if flag[:1] in "+-" and flag[1:]:
+            f[flag[1:]] = flag[0] == "+"
     has = {
         "avx512vnni": f.get("avx512f") and f.get("avx512bw") and f.get("avx512vnni"),
         "avxvnni": f.get("avxvnni") or (f.get("avx512vnni") and f.get("avx512vl")),
@@ -103,8 +106,7 @@ def kernels(level: str) -> ModuleType:
 def build(level: str, cache: bool = True) -> ModuleType:
     """A new instance of `ternary_kernels` for `level`; without `cache` it never touches the disk cache
     (for kernels built from patched IR, as the tests do)."""
-    if level not in host_levels():
-        choose(level)  # raises the error that names what the CPU runs
+    level = choose(level)  # a name or alias the CPU runs, else the error that names what it runs
     directory = cache_dir(level) if cache else None
     name = f"bitnet_cpu.ternary_kernels_{level}" + ("" if cache else f"_uncached{next(_serial)}")
     spec = importlib.util.spec_from_file_location(name, _HERE / "ternary_kernels.py")

@@ -132,23 +132,28 @@ class CpuProvider(ReferenceProvider):
         return self._tk.bitlinear_row_blockscale(x, w.blocks, w.scales, w.fields_reversed)
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
-        """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time."""
+        """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time.
+
+        One matrix-vector product per activation row: BLAS sums a product of several rows in
+        another order than a single row's, and a row's result must not depend on the batch it
+        came in (5e-5 apart at n = 9 with matrix products). It is also faster: the batched
+        per-block products took 10.8 s for 64 tokens of a 6912 x 2560 block-scaled matrix.
+        """
         x = np.asarray(x, dtype=np.float32)
-        n, nb = x.shape[0], w.cols // BLOCK
         a = permute_cols(x, w.fields_reversed)
         rowwise = w.row_scales is not None
         self.record(f"cpu.bitlinear_{'rowscale' if rowwise else 'blockscale'}_none")
-        y = np.empty((n, w.rows), dtype=np.float32)
+        y = np.empty((x.shape[0], w.rows), dtype=np.float32)
         step = max(1, _CHUNK_BYTES // (4 * w.cols))
         for lo in range(0, w.rows, step):
             hi = min(lo + step, w.rows)
             t = unpack_rows(np.ascontiguousarray(w.blocks[lo:hi]).reshape(hi - lo, -1))
-            if rowwise:
-                y[:, lo:hi] = (a @ t.T) * w.row_scales[lo:hi]
-                continue
-            sums = np.matmul(a.reshape(n, nb, BLOCK).transpose(1, 0, 2),
-                             t.reshape(hi - lo, nb, BLOCK).transpose(1, 2, 0))  # [nb, n, r]
-            y[:, lo:hi] = np.einsum("bnr,rb->nr", sums, w.scales[lo:hi])
+            if not rowwise:  # -1/0/+1 times its block's scale: exact
+                t = (t.reshape(hi - lo, -1, BLOCK) * w.scales[lo:hi, :, None]).reshape(hi - lo, -1)
+            for i in range(x.shape[0]):
+                y[i, lo:hi] = t @ a[i]
+        if rowwise:
+            y *= w.row_scales
         return y
 
     def lm_head(self, x: Any, table: Any) -> Any:
