@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from bitnet.plugins.selection import Selection
     from bitnet.plugins.types import Device
     from bitnet.runtime.provider import KernelProvider
+    from bitnet.runtime.scheduler import Scheduler
     from bitnet.runtime.transformer import Transformer
     from bitnet.text.chat_template import ChatTemplate
     from bitnet.text.tokenizer import Tokenizer
@@ -60,7 +61,7 @@ class Stats:
 
 def load(path: str | os.PathLike[str] | None = None, device: str | None = None, n_ctx: int | None = None,
          act_quant: str = "row", progress: Callable[[int, int], None] | None = None,
-         chat_template: str | None = None) -> Engine:
+         chat_template: str | None = None, n_seqs: int = 1) -> Engine:
     """Select a device (docs/design.md section 3), load the GGUF model onto it, return an Engine.
 
     path None is the embedded default model: a small *synthetic* model (random ternary
@@ -69,6 +70,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     position, quality beyond the training context is the caller's business). act_quant is
     "row" (BitNet b1.58), "block256" (llama.cpp's Q8_K) or "none" (float). chat_template names a
     built-in (bitnet, llama3, chatml, falcon3, zephyr) or a Jinja file, in place of the model's own.
+    n_seqs is how many sequences can run at once (generate_batch, Scheduler), each with n_ctx positions.
     """
     from bitnet.modelfile.model import load_model
     from bitnet.plugins.selection import select
@@ -82,6 +84,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
                          f"{', '.join(ACT_QUANT_MODES)}")
     if n_ctx is not None and n_ctx < 1:
         raise UsageError(f"n_ctx must be at least 1, got {n_ctx}")
+    if isinstance(n_seqs, bool) or not isinstance(n_seqs, int) or n_seqs < 1:
+        raise UsageError(f"n_seqs must be an integer >= 1, got {n_seqs!r}")
     selection = select(device)
     provider = selection.open()
     try:
@@ -93,9 +97,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
         tokenizer = Tokenizer.from_metadata(model.metadata)
         if n_ctx is None:
             n_ctx = min(model.config.n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
-        check_kv_fits(model.config, n_ctx, *kv_home(provider, selection.device))
+        check_kv_fits(model.config, n_ctx, *kv_home(provider, selection.device), n_seqs=n_seqs)
         template = templates.choose(model.metadata, tokenizer.has_token, chat_template)
-        transformer = Transformer(model, provider, n_ctx, act_quant)
+        transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs)
     except BaseException:
         provider.close()
         raise
@@ -158,6 +162,10 @@ class Engine:
     def n_ctx(self) -> int:
         return self.transformer.n_ctx
 
+    @property
+    def n_seqs(self) -> int:
+        return self.transformer.n_seqs
+
     def reset(self) -> None:
         """Forget the cached tokens: the next run computes its whole prompt (benchmarks want that)."""
         self._epoch += 1
@@ -205,6 +213,14 @@ class Engine:
                logprobs: int | None = None, **sampling: Any) -> Iterator[Step]:
         """As generate, one Step per sampled token (its text, and its log-probabilities if asked for)."""
         t0 = time.perf_counter()
+        ids, sampler, stops = self.prepare(prompt, max_tokens, temperature, top_k, top_p, seed, stop, logprobs,
+                                           **sampling)
+        return self._run(ids, max_tokens, sampler, stops, (time.perf_counter() - t0) * 1e3)
+
+    def prepare(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] = (),
+                logprobs: int | None = None, **sampling: Any) -> tuple[list[int], Sampler, tuple[str, ...]]:
+        """Check a run's parameters (UsageError before any compute): its prompt ids, sampler and stops."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
             raise UsageError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         unknown = set(sampling) - SAMPLING_OPTIONS
@@ -224,7 +240,22 @@ class Engine:
         if not ids:
             raise UsageError("the prompt is empty and the model has no BOS token to start from")
         self._check_fits(len(ids), max_tokens)
-        return self._run(ids, max_tokens, sampler, stops, (time.perf_counter() - t0) * 1e3)
+        return ids, sampler, stops
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[str]:
+        """The texts generated after each prompt, run together with continuous batching on the engine's
+        n_seqs slots (a sequence's text is the same as it would be alone; generate's options apply)."""
+        from bitnet.runtime.scheduler import Scheduler
+
+        with Scheduler(self, max_queue=len(prompts)) as scheduler:
+            requests = [scheduler.submit(p, **kwargs) for p in prompts]
+            return [r.text() for r in requests]
+
+    def scheduler(self, n_slots: int | None = None, max_queue: int = 64) -> Scheduler:
+        """A running Scheduler over this engine's slots (submit, iterate or `async for`, cancel, close)."""
+        from bitnet.runtime.scheduler import Scheduler
+
+        return Scheduler(self, n_slots, max_queue)
 
     def _check_fits(self, n_prompt: int, n_generate: int) -> None:
         if n_prompt + n_generate > self.n_ctx:

@@ -27,7 +27,7 @@ from bitnet.runtime.reference import ReferenceProvider
 
 # How many leading arguments of each operation are activation handles; the rest (weights,
 # the KV cache, token ids, numbers) are already where the reference reads them.
-HANDLE_ARGS = {"embed": 0, "rmsnorm": 1, "rope": 1, "attention": 3, "act_mul": 2, "add": 2, "last_row": 1,
+HANDLE_ARGS = {"embed": 0, "rmsnorm": 1, "rope": 1, "attention": 3, "act_mul": 2, "add": 2, "rows": 1,
                "lm_head": 1, "argmax": 1}
 
 
@@ -59,10 +59,11 @@ def place_weight(provider: KernelProvider, op: str, a: np.ndarray) -> Any:
     return provider.upload_float(a) if op in native_operations(provider) else a
 
 
-def kv_cache_for(provider: KernelProvider, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int) -> Any:
+def kv_cache_for(provider: KernelProvider, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int,
+                 n_seqs: int = 1) -> Any:
     """The KV cache, allocated by the side that runs attention."""
     owner = provider if "attention" in native_operations(provider) else host_reference(provider)
-    return owner.kv_cache(n_layers, n_ctx, n_kv_heads, head_dim)
+    return owner.kv_cache(n_layers, n_ctx, n_kv_heads, head_dim, n_seqs)
 
 
 def refuse_in_strict_mode(backend: str, ops: Sequence[str], reason: str) -> None:

@@ -5,7 +5,10 @@ provider are opaque to core: a NumPy array for the CPU, a device buffer for a GP
 are uploaded once at load; activations stay as handles between operations; only `to_host`
 and `argmax` bring data back, and each of them waits for exactly the work it reads.
 
-Activations are 2-D: [n_tokens, width], float32 semantics. Every operation a provider
+Activations are 2-D: [n_tokens, width], float32 semantics. A batch's rows may belong to several
+sequences: `rope` and `attention` take each row's position, and `attention` each row's sequence
+slot in the KV cache (int32 host arrays). Every other operation is row by row, and must stay so
+(batch invariance: a row's result never depends on the other rows). Every operation a provider
 runs must be recorded with `self.record(kernel_name)` as it is dispatched: receipts list
 these names, so they are evidence of what ran, never a fixed list.
 
@@ -29,7 +32,7 @@ from bitnet.modelfile.ternary import TernaryMatrix
 ACT_QUANT_MODES = ("row", "block256", "none")
 ACTIVATIONS = ("silu", "relu2")
 # The operations of a forward pass and of greedy sampling: what a provider may implement.
-OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "add", "last_row", "lm_head",
+OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "add", "rows", "lm_head",
               "argmax")
 
 
@@ -65,11 +68,12 @@ class KernelProvider(ABC):
         # Keeps an mmap'd table as a view: on the host, the page cache is the resident copy.
         return np.asarray(a)
 
-    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int) -> Any:
-        """Allocate the K and V cache for every layer (used only if this provider runs attention)."""
+    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> Any:
+        """Allocate the K and V cache of every layer for n_seqs sequence slots of n_ctx positions each
+        (used only if this provider runs attention)."""
         from bitnet.runtime.reference import KVCache
 
-        shape = (n_layers, n_ctx, n_kv_heads, head_dim)
+        shape = (n_layers, n_seqs, n_ctx, n_kv_heads, head_dim)
         return KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
 
     def to_host(self, x: Any) -> np.ndarray:
@@ -115,15 +119,16 @@ class KernelProvider(ABC):
         bitnet.runtime.reference.ReferenceProvider.
         """
 
-    def rope(self, x: Any, n_heads: int, head_dim: int, pos0: int, theta: float) -> Any:
-        """NEOX rotary embedding (rotate halves) of [n, n_heads*head_dim]; row i is position pos0+i."""
-        return self._on_host("rope", x, n_heads, head_dim, pos0, theta)
+    def rope(self, x: Any, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Any:
+        """NEOX rotary embedding (rotate halves) of [n, n_heads*head_dim]; row i is at positions[i]."""
+        return self._on_host("rope", x, n_heads, head_dim, positions, theta)
 
-    def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, pos0: int,
+    def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, slots: np.ndarray, positions: np.ndarray,
                   n_heads: int, n_kv_heads: int, head_dim: int) -> Any:
-        """Store k, v at positions pos0.. of `layer` in the cache, then causal grouped-query
-        attention of q over positions 0..pos0+i for row i, scale 1/sqrt(head_dim)."""
-        return self._on_host("attention", q, k, v, cache, layer, pos0, n_heads, n_kv_heads, head_dim)
+        """Store every row's k, v at (slots[i], positions[i]) of `layer` in the cache; then row i attends
+        causally, grouped-query, over positions 0..positions[i] of its slot, scale 1/sqrt(head_dim).
+        A sequence's rows in one batch are consecutive, in position order."""
+        return self._on_host("attention", q, k, v, cache, layer, slots, positions, n_heads, n_kv_heads, head_dim)
 
     def act_mul(self, gate: Any, up: Any, act: str) -> Any:
         """act(gate) * up with act "silu" (x*sigmoid(x)) or "relu2" (max(x,0)^2)."""
@@ -133,9 +138,9 @@ class KernelProvider(ABC):
         """a + b (the residual)."""
         return self._on_host("add", a, b)
 
-    def last_row(self, x: Any) -> Any:
-        """The last row of x as [1, width] (prefill needs logits of the last position only)."""
-        return self._on_host("last_row", x)
+    def rows(self, x: Any, index: np.ndarray) -> Any:
+        """Rows `index` (int32 [m], ascending) of x as [m, width]: only they need logits."""
+        return self._on_host("rows", x, index)
 
     def lm_head(self, x: Any, table: Any) -> Any:
         """x [n, dim] times the uploaded [vocab, dim] table transposed -> logits [n, vocab]."""

@@ -21,14 +21,18 @@ from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
 
 @dataclass
 class KVCache:
-    """K and V of every layer: float32 [n_layers, n_ctx, n_kv_heads, head_dim] each."""
+    """K and V of every layer and sequence slot: float32 [n_layers, n_seqs, n_ctx, n_kv_heads, head_dim] each."""
 
     k: np.ndarray
     v: np.ndarray
 
     @property
-    def n_ctx(self) -> int:
+    def n_seqs(self) -> int:
         return int(self.k.shape[1])
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.k.shape[2])
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -90,10 +94,6 @@ class ReferenceProvider(KernelProvider):
         # Keeps an mmap'd table as a view: on the host, the page cache is the resident copy.
         return np.asarray(a)
 
-    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int) -> Any:
-        shape = (n_layers, n_ctx, n_kv_heads, head_dim)
-        return KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-
     def to_host(self, x: Any) -> np.ndarray:
         return np.array(x, dtype=np.float32)
 
@@ -127,34 +127,34 @@ class ReferenceProvider(KernelProvider):
             y = np.einsum("nrb,rb,nb->nr", isum, scales, d.astype(np.float64))
         return y.astype(np.float32)
 
-    def rope(self, x: Any, n_heads: int, head_dim: int, pos0: int, theta: float) -> Any:
+    def rope(self, x: Any, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Any:
         self.record(f"{self.prefix}.rope")
         x = np.asarray(x, dtype=np.float64)
         n, half = x.shape[0], head_dim // 2
-        cos, sin = rope_angles(pos0, n, head_dim, theta)
+        cos, sin = rope_angles(positions, head_dim, theta)
         xh = x.reshape(n, n_heads, head_dim)
         x1, x2 = xh[:, :, :half], xh[:, :, half:]
         c, s = cos[:, None, :], sin[:, None, :]
         out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=2)
         return out.reshape(n, n_heads * head_dim).astype(np.float32)
 
-    def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, pos0: int,
+    def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, slots: np.ndarray, positions: np.ndarray,
                   n_heads: int, n_kv_heads: int, head_dim: int) -> Any:
         self.record(f"{self.prefix}.attention")
-        n = q.shape[0]
-        store_kv(cache, layer, pos0, k, v, n_kv_heads, head_dim)
-        total = pos0 + n
+        store_kv(cache, layer, slots, positions, k, v, n_kv_heads, head_dim)
         group = n_heads // n_kv_heads
-        # Query head h reads KV head h // group (llama.cpp's broadcast order).
-        qh = np.asarray(q, dtype=np.float64).reshape(n, n_kv_heads, group, head_dim)
-        keys = cache.k[layer, :total].astype(np.float64)  # [T, n_kv, hd]
-        vals = cache.v[layer, :total].astype(np.float64)
-        scores = np.einsum("nkgd,tkd->nkgt", qh, keys) / np.sqrt(head_dim)
-        scores = np.where(causal_mask(pos0, n, total)[:, None, None, :], scores, -np.inf)
-        p = np.exp(scores - scores.max(axis=3, keepdims=True))
-        p /= p.sum(axis=3, keepdims=True)
-        out = np.einsum("nkgt,tkd->nkgd", p, vals)
-        return out.reshape(n, n_heads * head_dim).astype(np.float32)
+        q64 = np.asarray(q, dtype=np.float64)
+        out = np.empty((q64.shape[0], n_heads * head_dim), np.float32)
+        for i, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+            # Query head h reads KV head h // group (llama.cpp's broadcast order).
+            qh = q64[i].reshape(n_kv_heads, group, head_dim)
+            keys = cache.k[layer, slot, :pos + 1].astype(np.float64)  # [T, n_kv, hd]
+            vals = cache.v[layer, slot, :pos + 1].astype(np.float64)
+            scores = np.einsum("kgd,tkd->kgt", qh, keys) / np.sqrt(head_dim)
+            p = np.exp(scores - scores.max(axis=2, keepdims=True))
+            p /= p.sum(axis=2, keepdims=True)
+            out[i] = np.einsum("kgt,tkd->kgd", p, vals).reshape(-1)
+        return out
 
     def act_mul(self, gate: Any, up: Any, act: str) -> Any:
         self.record(f"{self.prefix}.act_mul")
@@ -168,9 +168,9 @@ class ReferenceProvider(KernelProvider):
         self.record(f"{self.prefix}.add")
         return (np.asarray(a, dtype=np.float32) + np.asarray(b, dtype=np.float32)).astype(np.float32)
 
-    def last_row(self, x: Any) -> Any:
-        self.record(f"{self.prefix}.last_row")
-        return np.array(x[-1:], dtype=np.float32)
+    def rows(self, x: Any, index: np.ndarray) -> Any:
+        self.record(f"{self.prefix}.rows")
+        return np.array(np.asarray(x)[np.asarray(index, np.int64)], dtype=np.float32)
 
     def lm_head(self, x: Any, table: Any) -> Any:
         self.record(f"{self.prefix}.lm_head")
@@ -193,21 +193,26 @@ def check_act_quant(act_quant: str) -> None:
                          f"{', '.join(ACT_QUANT_MODES)}")
 
 
-def rope_angles(pos0: int, n: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, float64 [n, head_dim // 2], of (pos0 + i) * theta ** (-2j / head_dim)."""
+def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin, float64 [n, head_dim // 2], of positions[i] * theta ** (-2j / head_dim)."""
     freqs = float(theta) ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2.0 / head_dim)
-    angles = np.arange(pos0, pos0 + n, dtype=np.float64)[:, None] * freqs[None, :]
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * freqs[None, :]
     return np.cos(angles), np.sin(angles)
 
 
-def causal_mask(pos0: int, n: int, total: int) -> np.ndarray:
-    """bool [n, total]: row i (position pos0 + i) may read positions 0..pos0 + i."""
-    return np.arange(total)[None, :] <= (pos0 + np.arange(n))[:, None]
+def check_slots(cache: KVCache, slots: np.ndarray, positions: np.ndarray, n: int) -> None:
+    if len(slots) != n or len(positions) != n:
+        raise UsageError(f"{n} rows need {n} slots and positions, got {len(slots)} and {len(positions)}")
+    if n and not (0 <= slots.min() and slots.max() < cache.n_seqs):
+        raise UsageError(f"sequence slot out of range 0..{cache.n_seqs - 1}")
+    if n and not (0 <= positions.min() and positions.max() < cache.n_ctx):
+        raise UsageError(f"position out of range 0..{cache.n_ctx - 1} (the context is {cache.n_ctx})")
 
 
-def store_kv(cache: KVCache, layer: int, pos0: int, k: Any, v: Any, n_kv_heads: int, head_dim: int) -> None:
+def store_kv(cache: KVCache, layer: int, slots: np.ndarray, positions: np.ndarray, k: Any, v: Any,
+             n_kv_heads: int, head_dim: int) -> None:
     n = k.shape[0]
-    if pos0 + n > cache.n_ctx:
-        raise UsageError(f"positions {pos0}..{pos0 + n - 1} exceed the context of {cache.n_ctx}")
-    cache.k[layer, pos0:pos0 + n] = np.asarray(k, dtype=np.float32).reshape(n, n_kv_heads, head_dim)
-    cache.v[layer, pos0:pos0 + n] = np.asarray(v, dtype=np.float32).reshape(n, n_kv_heads, head_dim)
+    slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
+    check_slots(cache, slots, positions, n)
+    cache.k[layer, slots, positions] = np.asarray(k, dtype=np.float32).reshape(n, n_kv_heads, head_dim)
+    cache.v[layer, slots, positions] = np.asarray(v, dtype=np.float32).reshape(n, n_kv_heads, head_dim)

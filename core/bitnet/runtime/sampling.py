@@ -146,13 +146,18 @@ class Sampler:
         return self.penalty_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
                                             or self.frequency_penalty != 0.0)
 
+    @property
+    def needs_host(self) -> bool:
+        """Whether choosing needs the logits on the host (anything but a plain arg-max)."""
+        return not self.greedy or bool(self.logit_bias) or self.penalized or self.logprobs is not None
+
     def sample(self, provider: KernelProvider, logits: Any, history: Sequence[int] = ()) -> int:
         """The next token from the last row of a logits handle."""
         return self.pick(provider, logits, history).token
 
     def pick(self, provider: KernelProvider, logits: Any, history: Sequence[int] = ()) -> Choice:
         """The next token from the last row of a logits handle; `history` is the context so far (for penalties)."""
-        if self.greedy and not (self.logit_bias or self.penalized or self.logprobs is not None):
+        if not self.needs_host:
             return Choice(int(provider.argmax(logits)[-1]))  # stays on the device: no vocabulary-sized copy
         return self.pick_host(provider.to_host(logits)[-1], history)
 

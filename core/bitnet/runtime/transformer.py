@@ -34,19 +34,22 @@ class _Layer:
 
 
 class Transformer:
-    """Weights resident on one provider, a KV cache of n_ctx positions, and the forward pass.
+    """Weights resident on one provider, a KV cache of n_seqs sequence slots of n_ctx positions each,
+    and the forward pass over a batch of tokens from any of the slots.
 
     The forward pass calls the provider for every operation; one it does not implement runs
     on the host (bitnet.runtime.fallback), so weights read only by such operations stay on the
     host and are not uploaded.
     """
 
-    def __init__(self, model: Model, provider: KernelProvider, n_ctx: int, act_quant: str) -> None:
+    def __init__(self, model: Model, provider: KernelProvider, n_ctx: int, act_quant: str, n_seqs: int = 1) -> None:
         if act_quant not in ACT_QUANT_MODES:
             raise UsageError(f"unknown activation quantization {act_quant!r}; expected one of "
                              f"{', '.join(ACT_QUANT_MODES)}")
         if n_ctx < 1:
             raise UsageError(f"the context must hold at least one token, got n_ctx={n_ctx}")
+        if n_seqs < 1:
+            raise UsageError(f"at least one sequence slot is needed, got n_seqs={n_seqs}")
         cfg = model.config
         if cfg.activation not in ACTIVATIONS:
             raise ModelError(f"unsupported FFN activation {cfg.activation!r}")
@@ -68,37 +71,57 @@ class Transformer:
 
         names = [f.name for f in fields(_Layer)]
         self.layers = [_Layer(**{k: upload(getattr(lw, k)) for k in names}) for lw in model.layers]
-        self.cache = kv_cache_for(p, cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim)
-        self.n_past = 0  # positions 0..n_past-1 of the cache hold valid K and V
+        self.cache = kv_cache_for(p, cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, n_seqs)
+        self.n_seqs = n_seqs
+        self.filled = np.zeros(n_seqs, np.int64)  # positions 0..filled[s]-1 of slot s hold valid K and V
+
+    @property
+    def n_past(self) -> int:
+        """Valid cached positions of slot 0 (the engine's single-sequence runs)."""
+        return int(self.filled[0])
+
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        self.filled[0] = value
 
     def reset(self) -> None:
-        """Forget the cached positions: the next forward must start at position 0."""
-        self.n_past = 0
+        """Forget every slot's cached positions."""
+        self.filled[:] = 0
 
-    def forward(self, ids: np.ndarray, pos0: int, all_logits: bool) -> Any:
-        """Run tokens `ids` at positions pos0.. as one batch; logits handle of all rows or the last.
-
-        Positions before pos0 must have been filled by earlier calls since the last reset().
-        """
+    def forward(self, ids: np.ndarray, pos0: int, all_logits: bool, slot: int = 0) -> Any:
+        """Run tokens `ids` of one sequence at positions pos0..; logits handle of all rows or the last."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
-        n, cfg, p = len(ids), self.config, self.provider
+        n = len(ids)
         if n == 0:
             raise UsageError("nothing to run: no tokens")
         if pos0 + n > self.n_ctx:
             what = f"prompt of {n} tokens exceeds" if pos0 == 0 else f"{n} token(s) at position {pos0} exceed"
             raise UsageError(f"{what} the context of {self.n_ctx}")
-        if pos0 > self.n_past:
-            raise UsageError(f"position {pos0} follows only {self.n_past} cached positions")
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise UsageError(f"token id out of range 0..{cfg.vocab_size - 1}")
+        rows = np.arange(n, dtype=np.int32) if all_logits else np.array([n - 1], np.int32)
+        return self.forward_batch(ids, np.full(n, slot, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32), rows)
+
+    def forward_batch(self, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> Any:
+        """One pass over a batch: token ids[i] of sequence slot slots[i] at position positions[i];
+        logits handle [len(rows), vocab] of the batch rows `rows` (ascending).
+
+        A sequence's tokens are consecutive and in position order, and each sequence continues
+        where its slot's cache ends (or earlier, overwriting). Each row is computed on its own:
+        its logits do not depend on the other rows.
+        """
+        ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+        slots = np.ascontiguousarray(slots, dtype=np.int32).reshape(-1)
+        positions = np.ascontiguousarray(positions, dtype=np.int32).reshape(-1)
+        rows = np.ascontiguousarray(rows, dtype=np.int32).reshape(-1)
+        n, cfg, p = len(ids), self.config, self.provider
+        self._check_batch(ids, slots, positions, rows)
         eps, hd, aq = cfg.rms_eps, cfg.head_dim, self.act_quant
         x = p.embed(self.token_embd, ids)
         for i, L in enumerate(self.layers):
             h = p.rmsnorm(x, L.attn_norm, eps)
-            q = p.rope(p.bitlinear(h, L.wq, aq), cfg.n_heads, hd, pos0, cfg.rope_theta)
-            k = p.rope(p.bitlinear(h, L.wk, aq), cfg.n_kv_heads, hd, pos0, cfg.rope_theta)
+            q = p.rope(p.bitlinear(h, L.wq, aq), cfg.n_heads, hd, positions, cfg.rope_theta)
+            k = p.rope(p.bitlinear(h, L.wk, aq), cfg.n_kv_heads, hd, positions, cfg.rope_theta)
             v = p.bitlinear(h, L.wv, aq)
-            a = p.attention(q, k, v, self.cache, i, pos0, cfg.n_heads, cfg.n_kv_heads, hd)
+            a = p.attention(q, k, v, self.cache, i, slots, positions, cfg.n_heads, cfg.n_kv_heads, hd)
             if L.attn_sub_norm is not None:
                 a = p.rmsnorm(a, L.attn_sub_norm, eps)
             x = p.add(x, p.bitlinear(a, L.wo, aq))
@@ -107,7 +130,36 @@ class Transformer:
             if L.ffn_sub_norm is not None:
                 f = p.rmsnorm(f, L.ffn_sub_norm, eps)
             x = p.add(x, p.bitlinear(f, L.w_down, aq))
-        self.n_past = pos0 + n
-        if not all_logits and n > 1:
-            x = p.last_row(x)
+        ends = np.r_[np.flatnonzero(slots[1:] != slots[:-1]), n - 1]  # each sequence's last row
+        self.filled[slots[ends]] = positions[ends] + 1  # a sequence that rewound no longer owns what follows
+        if len(rows) != n or (rows != np.arange(n)).any():
+            x = p.rows(x, rows)
         return p.lm_head(p.rmsnorm(x, self.output_norm, eps), self.lm_head)
+
+    def _check_batch(self, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
+        n, vocab = len(ids), self.config.vocab_size
+        if n == 0:
+            raise UsageError("nothing to run: no tokens")
+        if len(slots) != n or len(positions) != n:
+            raise UsageError(f"{n} tokens need {n} slots and positions, got {len(slots)} and {len(positions)}")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise UsageError(f"token id out of range 0..{vocab - 1}")
+        if slots.min() < 0 or slots.max() >= self.n_seqs:
+            raise UsageError(f"sequence slot out of range 0..{self.n_seqs - 1}")
+        if positions.min() < 0 or positions.max() >= self.n_ctx:
+            raise UsageError(f"position {int(positions.max())} is beyond the context of {self.n_ctx}")
+        if len(rows) == 0 or rows.min() < 0 or rows.max() >= n or (np.diff(rows) <= 0).any():
+            raise UsageError(f"logit rows must be ascending indices in 0..{n - 1}")
+        # Each sequence: one run of consecutive rows, positions consecutive, starting within what its slot holds.
+        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+        if len(np.unique(slots[starts])) != len(starts):
+            raise UsageError("a sequence's tokens must be consecutive in the batch")
+        step = np.diff(positions)
+        inside = np.r_[slots[1:] == slots[:-1]]
+        if (step[inside] != 1).any():
+            raise UsageError("a sequence's positions must follow each other")
+        first = positions[starts]
+        if (first > self.filled[slots[starts]]).any():
+            s = int(starts[np.argmax(first > self.filled[slots[starts]])])
+            raise UsageError(f"position {int(positions[s])} follows only {int(self.filled[slots[s]])} cached positions "
+                             f"of slot {int(slots[s])}")

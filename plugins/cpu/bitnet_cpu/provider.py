@@ -177,14 +177,15 @@ class CpuProvider(ReferenceProvider):
         fk.rmsnorm(x, np.ascontiguousarray(w, dtype=np.float32), float(eps), out)
         return out
 
-    def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, pos0: int,
+    def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, slots: np.ndarray, positions: np.ndarray,
                   n_heads: int, n_kv_heads: int, head_dim: int) -> Any:
         self.record("cpu.attention")
         self._use_threads()
-        store_kv(cache, layer, pos0, k, v, n_kv_heads, head_dim)
+        store_kv(cache, layer, slots, positions, k, v, n_kv_heads, head_dim)
         q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty_like(q)
-        fk.attention(q, cache.k[layer], cache.v[layer], pos0, n_heads, out)
+        fk.attention(q, cache.k[layer], cache.v[layer], np.ascontiguousarray(slots, np.int32),
+                     np.ascontiguousarray(positions, np.int32), n_heads, out)
         return out
 
     def act_mul(self, gate: Any, up: Any, act: str) -> Any:
@@ -197,11 +198,11 @@ class CpuProvider(ReferenceProvider):
         fk.act_mul(gate, np.ascontiguousarray(up, dtype=np.float32), act == "relu2", out)
         return out
 
-    def rope(self, x: Any, n_heads: int, head_dim: int, pos0: int, theta: float) -> Any:
+    def rope(self, x: Any, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Any:
         self.record("cpu.rope")
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty_like(x)
-        fk.rope(x, n_heads, head_dim, pos0, float(theta), out)
+        fk.rope(x, n_heads, head_dim, np.ascontiguousarray(positions, np.int32), float(theta), out)
         return out
 
     def add(self, a: Any, b: Any) -> Any:
