@@ -140,8 +140,8 @@ def act_mul(gate: np.ndarray, up: np.ndarray, relu2: bool, out: np.ndarray) -> N
 
 
 @njit(cache=True)
-def rope(x: np.ndarray, n_heads: int, head_dim: int, pos0: int, theta: float, out: np.ndarray) -> None:
-    """NEOX rotation of each head's halves by (pos0 + t) * theta**(-2j/head_dim), angles in float64."""
+def rope(x: np.ndarray, n_heads: int, head_dim: int, positions: np.ndarray, theta: float, out: np.ndarray) -> None:
+    """NEOX rotation of each head's halves by positions[t] * theta**(-2j/head_dim), angles in float64."""
     n = x.shape[0]
     half = head_dim // 2
     freqs = np.empty(half)
@@ -149,7 +149,7 @@ def rope(x: np.ndarray, n_heads: int, head_dim: int, pos0: int, theta: float, ou
         freqs[j] = theta ** (-np.float64(j) * 2.0 / head_dim)
     for t in range(n):
         for j in range(half):
-            angle = np.float64(pos0 + t) * freqs[j]
+            angle = np.float64(positions[t]) * freqs[j]
             c, s = np.cos(angle), np.sin(angle)
             for h in range(n_heads):
                 lo = h * head_dim + j
@@ -159,27 +159,28 @@ def rope(x: np.ndarray, n_heads: int, head_dim: int, pos0: int, theta: float, ou
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, pos0: int, n_heads: int,
-              out: np.ndarray) -> None:
-    """Causal grouped-query attention of q [n, n_heads*hd] over keys/values [n_ctx, n_kv, hd].
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+              n_heads: int, out: np.ndarray) -> None:
+    """Causal grouped-query attention of q [n, n_heads*hd] over keys/values [n_seqs, n_ctx, n_kv, hd].
 
-    Row t (position pos0 + t) reads positions 0..pos0+t; query head h reads KV head
-    h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64.
+    Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
+    h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. Each (row, head)
+    is computed alone, the same way whatever else is in the batch.
     """
     n = q.shape[0]
-    n_kv, hd = keys.shape[1], keys.shape[2]
+    n_kv, hd = keys.shape[2], keys.shape[3]
     group = n_heads // n_kv
     scale = np.float32(1.0 / np.sqrt(hd))
     for task in prange(n_heads * n):
         h, t = task // n, task % n
-        kv, total = h // group, pos0 + t + 1
+        kv, total, seq = h // group, positions[t] + 1, slots[t]
         qh = np.empty(hd, np.float32)  # contiguous for sure, unlike a slice of q
         for d in range(hd):
             qh[d] = q[t, h * hd + d] * scale
         scores = np.empty(total, np.float32)
         top = np.float32(-np.inf)
         for p in range(total):
-            krow = keys[p, kv]
+            krow = keys[seq, p, kv]
             acc = np.float32(0.0)
             for d in range(hd):
                 acc += qh[d] * krow[d]
@@ -195,7 +196,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, pos0: int, n_
             o[d] = 0.0
         for p in range(total):
             w = scores[p]
-            vrow = values[p, kv]
+            vrow = values[seq, p, kv]
             for d in range(hd):
                 o[d] += w * vrow[d]
         inv = np.float32(1.0 / den)
