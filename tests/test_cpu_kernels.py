@@ -258,19 +258,27 @@ def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, n: int) -> Non
     assert np.array_equal(cpu_float.argmax(got), REF.argmax(want))
 
 
+def rows_at(slot: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence slots and positions of n consecutive rows of one sequence."""
+    return np.full(n, slot, np.int32), np.arange(start, start + n, dtype=np.int32)
+
+
 def test_attention_prefill_then_decode(cpu_float: CpuProvider) -> None:
+    # Two sequences: slot 0 prefills and decodes alone, then slot 1 prefills in one batch beside
+    # slot 0's next token; each reads only its own slot.
     rng = np.random.default_rng(4)
     heads, kv_heads, hd = 8, 2, 64
-    caches = cpu_float.kv_cache(2, 40, kv_heads, hd), REF.kv_cache(2, 40, kv_heads, hd)
-    pos = 0
-    for n in (7, 1, 1, 29):
+    caches = cpu_float.kv_cache(2, 40, kv_heads, hd, n_seqs=2), REF.kv_cache(2, 40, kv_heads, hd, n_seqs=2)
+    batches = [rows_at(0, 0, 7), rows_at(0, 7, 1), rows_at(0, 8, 1),
+               tuple(np.concatenate(p) for p in zip(rows_at(0, 9, 1), rows_at(1, 0, 29), strict=True))]
+    for slots, positions in batches:
+        n = len(slots)
         q = rng.standard_normal((n, heads * hd)).astype(np.float32) * 3
         k = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)
         v = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)
-        got = cpu_float.attention(q, k, v, caches[0], 1, pos, heads, kv_heads, hd)
-        want = REF.attention(q, k, v, caches[1], 1, pos, heads, kv_heads, hd)
-        assert rel_err(got, want) < 1e-5, (pos, n)
-        pos += n
+        got = cpu_float.attention(q, k, v, caches[0], 1, slots, positions, heads, kv_heads, hd)
+        want = REF.attention(q, k, v, caches[1], 1, slots, positions, heads, kv_heads, hd)
+        assert rel_err(got, want) < 1e-5, (slots, positions)
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -280,7 +288,8 @@ def test_elementwise_kernels(cpu_float: CpuProvider, n: int) -> None:
     y = rng.standard_normal((n, 384)).astype(np.float32)
     w = rng.uniform(0.5, 1.5, 384).astype(np.float32)
     assert rel_err(cpu_float.rmsnorm(x, w, 1e-5), REF.rmsnorm(x, w, 1e-5)) < 1e-6
-    assert rel_err(cpu_float.rope(x, 3, 128, 1000, 500000.0), REF.rope(x, 3, 128, 1000, 500000.0)) < 1e-6
+    positions = np.arange(1000, 1000 + 7 * n, 7, dtype=np.int32)
+    assert rel_err(cpu_float.rope(x, 3, 128, positions, 500000.0), REF.rope(x, 3, 128, positions, 500000.0)) < 1e-6
     for act in ("silu", "relu2"):
         assert rel_err(cpu_float.act_mul(x, y, act), REF.act_mul(x, y, act)) < 1e-6
     np.testing.assert_array_equal(cpu_float.add(x, y), REF.add(x, y))
@@ -312,14 +321,21 @@ def test_float_kernels_are_batch_invariant(cpu_float: CpuProvider) -> None:
         ops[f"lm_head_{np.dtype(dtype).name}"] = lambda r, table=table: cpu.lm_head(r, table)
     for name, op in ops.items():
         np.testing.assert_array_equal(op(x), one_by_one(op, x), err_msg=name)
-    rows = [cpu.rope(x[i:i + 1], 4, 128, 100 + i, 10000.0) for i in range(7)]  # row i is at position 100 + i
-    np.testing.assert_array_equal(cpu.rope(x, 4, 128, 100, 10000.0), np.concatenate(rows))
-    # Attention: a prefill of 7 rows gives each row what 7 one-token steps give it.
-    caches = cpu.kv_cache(1, 16, 2, 64), cpu.kv_cache(1, 16, 2, 64)
-    k = y[:, :128]
-    batch = cpu.attention(x[:, :256], k, k * 2, caches[0], 0, 0, 4, 2, 64)
-    steps = [cpu.attention(x[i:i + 1, :256], k[i:i + 1], k[i:i + 1] * 2, caches[1], 0, i, 4, 2, 64) for i in range(7)]
+    positions = np.arange(100, 107, dtype=np.int32)
+    rope = [cpu.rope(x[i:i + 1], 4, 128, positions[i:i + 1], 10000.0) for i in range(7)]
+    np.testing.assert_array_equal(cpu.rope(x, 4, 128, positions, 10000.0), np.concatenate(rope))
+    # Attention: a prefill of 7 rows gives each row what 7 one-token steps give it, with or without
+    # another sequence's rows in the same batch.
+    caches = [cpu.kv_cache(1, 16, 2, 64, n_seqs=2) for _ in range(3)]
+    q, k = x[:, :256], y[:, :128]
+    batch = cpu.attention(q, k, k * 2, caches[0], 0, *rows_at(0, 0, 7), 4, 2, 64)
+    steps = [cpu.attention(q[i:i + 1], k[i:i + 1], k[i:i + 1] * 2, caches[1], 0, *rows_at(0, i, 1), 4, 2, 64)
+             for i in range(7)]
     np.testing.assert_array_equal(batch, np.concatenate(steps))
+    slots, positions = (np.concatenate(p) for p in zip(rows_at(1, 0, 4), rows_at(0, 0, 7), strict=True))
+    beside = cpu.attention(np.concatenate([q[:4] * 3, q]), np.concatenate([k[:4], k]),
+                           np.concatenate([k[:4], k]) * 2, caches[2], 0, slots, positions, 4, 2, 64)
+    np.testing.assert_array_equal(beside[4:], batch)
 
 
 def test_threads_give_the_same_results() -> None:

@@ -141,7 +141,7 @@ def act_mul(gate: np.ndarray, up: np.ndarray, relu2: bool, out: np.ndarray) -> N
 
 @njit(cache=True)
 def rope(x: np.ndarray, n_heads: int, head_dim: int, positions: np.ndarray, theta: float, out: np.ndarray) -> None:
-    """NEOX rotation of each head's halves by positions[t] * theta**(-2j/head_dim), angles in float64."""
+    """NEOX rotation of each head's halves of row t by positions[t] * theta**(-2j/head_dim), angles in float64."""
     n = x.shape[0]
     half = head_dim // 2
     freqs = np.empty(half)
@@ -164,8 +164,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.nda
     """Causal grouped-query attention of q [n, n_heads*hd] over keys/values [n_seqs, n_ctx, n_kv, hd].
 
     Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
-    h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. Each (row, head)
-    is computed alone, the same way whatever else is in the batch.
+    h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. Each (head,
+    row) is one task computed alone, so a row's result never depends on the rows beside it.
     """
     n = q.shape[0]
     n_kv, hd = keys.shape[2], keys.shape[3]
@@ -173,14 +173,14 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.nda
     scale = np.float32(1.0 / np.sqrt(hd))
     for task in prange(n_heads * n):
         h, t = task // n, task % n
-        kv, total, seq = h // group, positions[t] + 1, slots[t]
+        kv, slot, total = h // group, slots[t], positions[t] + 1
         qh = np.empty(hd, np.float32)  # contiguous for sure, unlike a slice of q
         for d in range(hd):
             qh[d] = q[t, h * hd + d] * scale
         scores = np.empty(total, np.float32)
         top = np.float32(-np.inf)
         for p in range(total):
-            krow = keys[seq, p, kv]
+            krow = keys[slot, p, kv]
             acc = np.float32(0.0)
             for d in range(hd):
                 acc += qh[d] * krow[d]
@@ -196,7 +196,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.nda
             o[d] = 0.0
         for p in range(total):
             w = scores[p]
-            vrow = values[seq, p, kv]
+            vrow = values[slot, p, kv]
             for d in range(hd):
                 o[d] += w * vrow[d]
         inv = np.float32(1.0 / den)
