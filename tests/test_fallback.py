@@ -51,7 +51,7 @@ class BoxedBitlinear(KernelProvider):
         self.float_uploads.append(a.shape)
         return Box(np.array(a, dtype=np.float32))
 
-    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int) -> Any:
+    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> Any:
         raise AssertionError("attention runs on the host, so its KV cache must live there too")
 
     def to_host(self, x: Box) -> np.ndarray:
@@ -101,7 +101,7 @@ def test_each_fallback_is_counted_with_its_reason_as_it_runs() -> None:
     tr.forward(IDS, 0, all_logits=False)
     L = N_LAYERS
     assert fallback_counts(p) == {"embed": 1, "rmsnorm": 4 * L + 1, "rope": 2 * L, "attention": L,
-                                  "act_mul": L, "add": 2 * L, "last_row": 1, "lm_head": 1}
+                                  "act_mul": L, "add": 2 * L, "rows": 1, "lm_head": 1}
     assert {why for _, why in p.fallbacks} == {NOT_IMPLEMENTED}
     assert p.dispatches == {"boxed.bitlinear": 7 * L}  # the host's work is not listed as the device's
     assert p.argmax(tr.forward(IDS[:1], len(IDS), all_logits=False)).shape == (1,)
@@ -173,7 +173,7 @@ def test_strict_mode_refuses_a_partial_backend_at_load(monkeypatch: pytest.Monke
         Transformer(model, p, 16, "row")
     msg = str(err.value)
     assert "\n" not in msg and err.value.exit_code == 3
-    assert "backend 'boxed'" in msg and "rope, attention, act_mul, add, last_row, lm_head, argmax" in msg
+    assert "backend 'boxed'" in msg and "rope, attention, act_mul, add, rows, lm_head, argmax" in msg
     assert p.float_uploads == []  # refused before anything was uploaded
     Transformer(model, ReferenceProvider(), 16, "row").forward(IDS, 0, all_logits=False)  # complete: runs
     # A fallback a provider reports itself is refused as it would happen.

@@ -43,17 +43,17 @@ def test_quantization_modes_are_distinguishable() -> None:
 class WrongKvHead(ReferenceProvider):
     """A plausible bug: query head h reading KV head h % n_kv instead of h // group."""
 
-    def attention(self, q, k, v, cache, layer, pos0, n_heads, n_kv_heads, head_dim):  # type: ignore[no-untyped-def]
+    def attention(self, q, k, v, cache, layer, slots, positions, n_heads, n_kv_heads, head_dim):  # type: ignore[no-untyped-def]
         group = n_heads // n_kv_heads
         perm = np.arange(n_heads).reshape(group, n_kv_heads).T.reshape(-1)
         qp = q.reshape(q.shape[0], n_heads, head_dim)[:, perm].reshape(q.shape)
-        out = super().attention(qp, k, v, cache, layer, pos0, n_heads, n_kv_heads, head_dim)
+        out = super().attention(qp, k, v, cache, layer, slots, positions, n_heads, n_kv_heads, head_dim)
         inv = np.argsort(perm)
         return out.reshape(q.shape[0], n_heads, head_dim)[:, inv].reshape(q.shape)
 
 
 class NoRope(ReferenceProvider):
-    def rope(self, x, n_heads, head_dim, pos0, theta):  # type: ignore[no-untyped-def]
+    def rope(self, x, n_heads, head_dim, positions, theta):  # type: ignore[no-untyped-def]
         return x
 
 
@@ -90,7 +90,7 @@ def test_records_every_operation_as_dispatched() -> None:
     tr.forward(np.array([1, 2, 3]), 0, all_logits=False)
     d = p.dispatches
     assert d["ref.bitlinear"] == 7 * 3 and d["ref.attention"] == 3 and d["ref.rope"] == 6
-    assert d["ref.rmsnorm"] == 4 * 3 + 1 and d["ref.last_row"] == 1 and d["ref.lm_head"] == 1
+    assert d["ref.rmsnorm"] == 4 * 3 + 1 and d["ref.rows"] == 1 and d["ref.lm_head"] == 1
 
 
 def test_context_limit_and_bad_input() -> None:

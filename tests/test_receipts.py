@@ -26,7 +26,7 @@ PROMPT = "The quick brown fox"
 SAMPLING = {"max_tokens": 6, "temperature": 0.0, "seed": 1}
 # The operations core's transformer calls on a provider in a greedy run (memory ops excluded:
 # uploads, cache allocation and to_host move data, they are not kernels).
-MODEL_OPS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "add", "last_row", "lm_head",
+MODEL_OPS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "add", "rows", "lm_head",
              "argmax")
 
 
@@ -51,7 +51,7 @@ def open_engine(device: str) -> Engine:
 
 def generate(engine: Engine, sampling: dict[str, Any] = SAMPLING) -> str:
     engine.tokenizer.is_eog = lambda tok: False  # type: ignore[method-assign]  # a fixed token count
-    engine.reset()  # a whole prefill each time (last_row runs), not the prefix the previous run cached
+    engine.reset()  # a whole prefill each time (rows runs), not the prefix the previous run cached
     return "".join(engine.generate(PROMPT, **sampling))
 
 

@@ -108,16 +108,22 @@ def test_rope_neox_matches_formula() -> None:
     rng = np.random.default_rng(2)
     n, heads, hd, pos0, theta = 3, 2, 8, 5, 10000.0
     x = rng.standard_normal((n, heads * hd)).astype(np.float32)
-    y = ReferenceProvider().rope(x, heads, hd, pos0, theta)
+    positions = np.array([pos0, 40, pos0 + 2], np.int32)  # any position per row
+    y = ReferenceProvider().rope(x, heads, hd, positions, theta)
     want = np.zeros((n, heads * hd))
     for i in range(n):
         for h in range(heads):
             for j in range(hd // 2):
                 a, b = x[i, h * hd + j], x[i, h * hd + j + hd // 2]
-                ang = (pos0 + i) * theta ** (-2 * j / hd)
+                ang = positions[i] * theta ** (-2 * j / hd)
                 want[i, h * hd + j] = a * np.cos(ang) - b * np.sin(ang)
                 want[i, h * hd + j + hd // 2] = a * np.sin(ang) + b * np.cos(ang)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def seq(pos0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots and positions of n rows of one sequence in slot 0 from position pos0."""
+    return np.zeros(n, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
 
 
 def attention_naive(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, pos0: int, n_heads: int,
@@ -143,19 +149,42 @@ def test_attention_gqa_with_cache(provider_cls: type) -> None:
     cache = p.kv_cache(2, n_ctx, n_kv, hd)
     q, k, v = (rng.standard_normal((9, w)).astype(np.float32) for w in (n_heads * hd, n_kv * hd, n_kv * hd))
     # Layer 1, in two calls: a prefill of 5 then 4 more rows at position 5.
-    first = p.attention(q[:5], k[:5], v[:5], cache, 1, 0, n_heads, n_kv, hd)
-    second = p.attention(q[5:], k[5:], v[5:], cache, 1, 5, n_heads, n_kv, hd)
+    first = p.attention(q[:5], k[:5], v[:5], cache, 1, *seq(0, 5), n_heads, n_kv, hd)
+    second = p.attention(q[5:], k[5:], v[5:], cache, 1, *seq(5, 4), n_heads, n_kv, hd)
     want = attention_naive(q, k, v, 0, n_heads, n_kv, hd)
     np.testing.assert_allclose(np.concatenate([first, second]), want, rtol=1e-5, atol=1e-6)
     assert not np.any(cache.k[0])  # layer 0 untouched
 
 
+@pytest.mark.parametrize("provider_cls", [ReferenceProvider, CpuProvider])
+def test_attention_rows_of_several_sequences_read_only_their_own_slot(provider_cls: type) -> None:
+    rng = np.random.default_rng(9)
+    n_heads, n_kv, hd = 4, 2, 16
+    p = provider_cls()
+    q, k, v = (rng.standard_normal((12, w)).astype(np.float32) for w in (n_heads * hd, n_kv * hd, n_kv * hd))
+    batched = p.kv_cache(1, 16, n_kv, hd, 3)
+    # Sequence A (slot 2): 6 tokens; B (slot 0): 3; then A and B each decode one more in one batch.
+    p.attention(q[:6], k[:6], v[:6], batched, 0, np.full(6, 2, np.int32), np.arange(6, dtype=np.int32),
+                n_heads, n_kv, hd)
+    p.attention(q[6:9], k[6:9], v[6:9], batched, 0, np.zeros(3, np.int32), np.arange(3, dtype=np.int32),
+                n_heads, n_kv, hd)
+    mixed = p.attention(q[9:11], k[9:11], v[9:11], batched, 0, np.array([2, 0], np.int32),
+                        np.array([6, 3], np.int32), n_heads, n_kv, hd)
+    rows_a, rows_b = [0, 1, 2, 3, 4, 5, 9], [6, 7, 8, 10]
+    want_a = attention_naive(q[rows_a], k[rows_a], v[rows_a], 0, n_heads, n_kv, hd)[-1]
+    want_b = attention_naive(q[rows_b], k[rows_b], v[rows_b], 0, n_heads, n_kv, hd)[-1]
+    np.testing.assert_allclose(mixed, np.stack([want_a, want_b]), rtol=1e-5, atol=1e-6)
+    assert not np.any(batched.k[0, 1])  # slot 1 untouched
+
+
 def test_attention_overflowing_cache_is_usage_error() -> None:
     p = ReferenceProvider()
-    cache = p.kv_cache(1, 4, 1, 8)
+    cache = p.kv_cache(1, 4, 1, 8, 2)
     x = np.ones((3, 8), np.float32)
-    with pytest.raises(UsageError):
-        p.attention(x, x, x, cache, 0, 2, 1, 1, 8)
+    with pytest.raises(UsageError, match="position out of range"):
+        p.attention(x, x, x, cache, 0, *seq(2, 3), 1, 1, 8)
+    with pytest.raises(UsageError, match="slot out of range"):
+        p.attention(x, x, x, cache, 0, np.full(3, 2, np.int32), np.arange(3, dtype=np.int32), 1, 1, 8)
 
 
 def test_elementwise_ops_match_formulas() -> None:
@@ -169,14 +198,15 @@ def test_elementwise_ops_match_formulas() -> None:
     np.testing.assert_allclose(p.act_mul(g, u, "silu"), g / (1 + np.exp(-x64)) * u, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(p.act_mul(g, u, "relu2"), np.maximum(x64, 0) ** 2 * u, rtol=1e-6)
     np.testing.assert_array_equal(p.add(g, u), g + u)
-    np.testing.assert_array_equal(p.last_row(x), x[2:])
+    np.testing.assert_array_equal(p.rows(x, np.array([2], np.int32)), x[2:])
+    np.testing.assert_array_equal(p.rows(x, np.array([0, 2], np.int32)), x[[0, 2]])
     table = rng.standard_normal((10, 64)).astype(np.float16)
     rows = p.embed(table, np.array([3, 3, 9], np.int32))
     np.testing.assert_array_equal(rows, table[[3, 3, 9]].astype(np.float32))
     np.testing.assert_allclose(p.lm_head(x, table), x64 @ table.astype(np.float64).T, rtol=1e-6, atol=1e-5)
     logits = np.array([[1, 5, 5, 0], [2, 1, 0, 2]], np.float32)
     assert p.argmax(logits).tolist() == [1, 0]  # first index on ties
-    assert set(p.dispatches) >= {"ref.rmsnorm", "ref.act_mul", "ref.add", "ref.last_row", "ref.embed",
+    assert set(p.dispatches) >= {"ref.rmsnorm", "ref.act_mul", "ref.add", "ref.rows", "ref.embed",
                                  "ref.lm_head", "ref.argmax"}
 
 
@@ -228,7 +258,7 @@ def test_cpu_attention_matches_reference() -> None:
     widths = (n_heads * hd, n_kv * hd, n_kv * hd)
     for pos0, n in [(0, 6), (6, 1), (7, 3)]:
         q, k, v = (rng.standard_normal((n, w)).astype(np.float32) for w in widths)
-        want, got = (p.attention(q, k, v, c, 0, pos0, n_heads, n_kv, hd)
+        want, got = (p.attention(q, k, v, c, 0, *seq(pos0, n), n_heads, n_kv, hd)
                      for p, c in zip((ref, cpu), caches, strict=True))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 

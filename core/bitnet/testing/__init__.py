@@ -115,13 +115,16 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
         w = rng.uniform(0.5, 1.5, dim).astype(np.float32)
         xg = provider.upload_float(x)
         same("rmsnorm", provider.rmsnorm(xg, place_weight(provider, "rmsnorm", w), 1e-5), ref.rmsnorm(x, w, 1e-5))
-        same("rope", provider.rope(xg, heads, head_dim, 3, 10000.0), ref.rope(x, heads, head_dim, 3, 10000.0))
+        positions = rng.permutation(1000)[:n].astype(np.int32)  # any position, in any order
+        same("rope", provider.rope(xg, heads, head_dim, positions, 10000.0),
+             ref.rope(x, heads, head_dim, positions, 10000.0))
         y = rng.standard_normal((n, dim)).astype(np.float32)
         yg = provider.upload_float(y)
         same("add", provider.add(xg, yg), ref.add(x, y))
         for act in ("silu", "relu2"):
             same(f"act_mul[{act}]", provider.act_mul(xg, yg, act), ref.act_mul(x, y, act))
-        same("last_row", provider.last_row(xg), ref.last_row(x))
+        index = np.array([n - 1], np.int32) if n == 1 else np.array([0, 2, n - 1], np.int32)
+        same("rows", provider.rows(xg, index), ref.rows(x, index))
         same("lm_head", provider.lm_head(xg, head), ref.lm_head(x, table))
         got_arg, want_arg = provider.argmax(provider.lm_head(xg, head)), ref.argmax(ref.lm_head(x, table))
         assert list(got_arg) == list(want_arg), f"argmax: {list(got_arg)} != reference {list(want_arg)}"
@@ -129,16 +132,17 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
         for mode in ("row", "block256", "none"):
             same(f"bitlinear[{mode}]", provider.bitlinear(provider.upload_float(xq), provider.upload_ternary(w3), mode),
                  ref.bitlinear(xq, w3, mode))
-    # Attention: a prefill of 5 positions then two decode steps through the KV cache.
-    caches = kv_cache_for(provider, 2, 16, kv_heads, head_dim), ref.kv_cache(2, 16, kv_heads, head_dim)
-    pos = 0
-    for n in (5, 1, 1):
+    # Attention over three sequence slots: slot 1 prefills 5 positions, then a batch decodes slot 1 beside a
+    # 3-token prefill of slot 2 and a first token of slot 0, then a batch decodes all three.
+    caches = (kv_cache_for(provider, 2, 16, kv_heads, head_dim, 3), ref.kv_cache(2, 16, kv_heads, head_dim, 3))
+    for slots, positions in [([1] * 5, range(5)), ([1, 2, 2, 2, 0], [5, 0, 1, 2, 0]), ([0, 1, 2], [1, 6, 3])]:
+        n = len(slots)
         q = rng.standard_normal((n, heads * head_dim)).astype(np.float32)
         k = rng.standard_normal((n, kv_heads * head_dim)).astype(np.float32)
         v = rng.standard_normal((n, kv_heads * head_dim)).astype(np.float32)
-        outs = [p.attention(p.upload_float(q), p.upload_float(k), p.upload_float(v), c, 1, pos, heads, kv_heads,
+        s, pos = np.array(slots, np.int32), np.array(list(positions), np.int32)
+        outs = [p.attention(p.upload_float(q), p.upload_float(k), p.upload_float(v), c, 1, s, pos, heads, kv_heads,
                             head_dim) for p, c in zip((provider, ref), caches, strict=True)]
-        same(f"attention[pos0={pos}, n={n}]", *outs)
-        pos += n
+        same(f"attention[slots={slots}, positions={list(pos)}]", *outs)
     assert provider.dispatches, "the provider recorded no kernel dispatch"
     return operation_support(provider)
