@@ -148,6 +148,7 @@ class Engine:
         self.stats = Stats(load_ms=load_ms)
         self._epoch = 0  # bumped by every run: a generator whose cache was reused by a later run stops
         self._cached: list[int] = []  # the tokens whose K/V sit in the cache at positions 0..len-1
+        self._scheduler: Scheduler | None = None  # while one runs, it owns the cache
 
     @property
     def summary(self) -> str:
@@ -180,6 +181,7 @@ class Engine:
 
     def logits(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """float32 [len(ids), vocab]: one forward pass over ids from position 0 (the cache is reset)."""
+        self._check_free()
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         self._check_fits(len(ids), 0)
         self.stats = Stats(load_ms=self.load_ms, prompt_tokens=len(ids))
@@ -213,6 +215,7 @@ class Engine:
                logprobs: int | None = None, **sampling: Any) -> Iterator[Step]:
         """As generate, one Step per sampled token (its text, and its log-probabilities if asked for)."""
         t0 = time.perf_counter()
+        self._check_free()
         ids, sampler, stops = self.prepare(prompt, max_tokens, temperature, top_k, top_p, seed, stop, logprobs,
                                            **sampling)
         return self._run(ids, max_tokens, sampler, stops, (time.perf_counter() - t0) * 1e3)
@@ -256,6 +259,10 @@ class Engine:
         from bitnet.runtime.scheduler import Scheduler
 
         return Scheduler(self, n_slots, max_queue)
+
+    def _check_free(self) -> None:
+        if self._scheduler is not None:
+            raise UsageError("a Scheduler runs this engine's sequences: submit to it, or close it first")
 
     def _check_fits(self, n_prompt: int, n_generate: int) -> None:
         if n_prompt + n_generate > self.n_ctx:

@@ -144,7 +144,10 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self.steps = 0  # forward passes run
+        if engine._scheduler is not None:
+            raise UsageError("this engine already has a running Scheduler")
         engine.reset()  # the slots take over the cache; engine.generate must not run beside them
+        engine._scheduler = self
         self._thread = threading.Thread(target=self._loop, name="bitnet-scheduler", daemon=True)
         self._thread.start()
 
@@ -160,7 +163,8 @@ class Scheduler:
         with self._wake:
             if self._stopping:
                 raise UsageError("the scheduler is shutting down")
-            if len(self._waiting) >= self.max_queue and len(self._running) >= self.n_slots:
+            # Room: the queue's bound plus the slots not yet taken (the thread may not have admitted yet).
+            if len(self._waiting) >= self.max_queue + self.n_slots - len(self._running):
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the bound is {self.max_queue})")
             self._waiting.append(req)
             self._wake.notify()
@@ -193,6 +197,9 @@ class Scheduler:
         with self._wake:
             self._wake.notify()
         self._thread.join()
+        if self.engine._scheduler is self:
+            self.engine._scheduler = None
+            self.engine.reset()
 
     def __enter__(self) -> Scheduler:
         return self
@@ -268,6 +275,8 @@ class Scheduler:
         logits = self.engine.transformer.forward_batch(np.asarray(ids, np.int32), np.asarray(slots, np.int32),
                                                        np.asarray(positions, np.int32), rows)
         self.steps += 1
+        if not sampled:  # only prefill chunks this step
+            return
         choices = _pick_rows(self.engine, logits, [r for r, _ in sampled])
         for (r, _), choice in zip(sampled, choices, strict=True):
             self._advance(r, choice)

@@ -102,7 +102,8 @@ class Transformer:
 
     def forward_batch(self, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> Any:
         """One pass over a batch: token ids[i] of sequence slot slots[i] at position positions[i];
-        logits handle [len(rows), vocab] of the batch rows `rows` (ascending).
+        logits handle [len(rows), vocab] of the batch rows `rows` (ascending), or None for no rows (a
+        step that only prefills).
 
         A sequence's tokens are consecutive and in position order, and each sequence continues
         where its slot's cache ends (or earlier, overwriting). Each row is computed on its own:
@@ -132,6 +133,8 @@ class Transformer:
             x = p.add(x, p.bitlinear(f, L.w_down, aq))
         ends = np.r_[np.flatnonzero(slots[1:] != slots[:-1]), n - 1]  # each sequence's last row
         self.filled[slots[ends]] = positions[ends] + 1  # a sequence that rewound no longer owns what follows
+        if len(rows) == 0:
+            return None
         if len(rows) != n or (rows != np.arange(n)).any():
             x = p.rows(x, rows)
         return p.lm_head(p.rmsnorm(x, self.output_norm, eps), self.lm_head)
@@ -148,7 +151,7 @@ class Transformer:
             raise UsageError(f"sequence slot out of range 0..{self.n_seqs - 1}")
         if positions.min() < 0 or positions.max() >= self.n_ctx:
             raise UsageError(f"position {int(positions.max())} is beyond the context of {self.n_ctx}")
-        if len(rows) == 0 or rows.min() < 0 or rows.max() >= n or (np.diff(rows) <= 0).any():
+        if len(rows) and (rows.min() < 0 or rows.max() >= n or (np.diff(rows) <= 0).any()):
             raise UsageError(f"logit rows must be ascending indices in 0..{n - 1}")
         # Each sequence: one run of consecutive rows, positions consecutive, starting within what its slot holds.
         starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
