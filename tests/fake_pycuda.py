@@ -32,6 +32,7 @@ class Driver:
         self.log: list[tuple] = []
         self.depth = 0  # context stack depth
         self.next_address = 1 << 20
+        self.live: dict[int, int] = {}  # address -> bytes of each allocation not yet freed
         self.fail_source: str | None = None  # SourceModule raises CompileError for a source containing it
 
 
@@ -40,6 +41,7 @@ class Allocation:
         self.drv, self.nbytes, self.address = drv, nbytes, drv.next_address
         drv.next_address += (nbytes + 255) // 256 * 256  # cuMemAlloc aligns to 256 bytes
         drv.used += nbytes
+        drv.live[self.address] = nbytes
         drv.log.append(("alloc", nbytes))
 
     def __int__(self) -> int:
@@ -47,6 +49,7 @@ class Allocation:
 
     def free(self) -> None:
         self.drv.used -= self.nbytes
+        del self.drv.live[self.address]
         self.drv.log.append(("free", self.nbytes))
 
 
@@ -119,9 +122,13 @@ def install(monkeypatch: Any, state: Driver) -> types.ModuleType:
         dst[...] = 0
         state.log.append(("dtoh",))
 
-    def memcpy_dtod_async(dst: Allocation, src: int, size: int, stream: Stream) -> None:
+    def inside_one_allocation(address: int, size: int) -> bool:
+        return any(a <= address and address + size <= a + n for a, n in state.live.items())
+
+    def memcpy_dtod_async(dst: Allocation | int, src: Allocation | int, size: int, stream: Stream) -> None:
         in_context()
         assert isinstance(stream, Stream)
+        assert inside_one_allocation(int(dst), size) and inside_one_allocation(int(src), size), "copy out of bounds"
         state.log.append(("dtod", size))
 
     class Function:

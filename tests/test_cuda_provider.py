@@ -72,13 +72,14 @@ def run_every_op(p, rng):
     def proj(rows):
         return p.bitlinear(h, p.upload_ternary(ternary(rng, rows, dim)), "row")
 
-    q = p.rope(proj(heads * head_dim), heads, head_dim, 0, 1e4)
-    k = p.rope(proj(kv_heads * head_dim), kv_heads, head_dim, 0, 1e4)
+    slots, positions = np.array([2, 0, 0], np.int32), np.array([0, 0, 1], np.int32)  # two sequences
+    q = p.rope(proj(heads * head_dim), heads, head_dim, positions, 1e4)
+    k = p.rope(proj(kv_heads * head_dim), kv_heads, head_dim, positions, 1e4)
     v = proj(kv_heads * head_dim)
-    a = p.attention(q, k, v, p.kv_cache(2, 16, kv_heads, head_dim), 1, 0, heads, kv_heads, head_dim)
+    a = p.attention(q, k, v, p.kv_cache(2, 16, kv_heads, head_dim, 3), 1, slots, positions, heads, kv_heads, head_dim)
     y = p.add(a, p.act_mul(a, a, "relu2"))
     y = p.act_mul(y, y, "silu")
-    logits = p.lm_head(p.last_row(y), table)
+    logits = p.lm_head(p.rows(y, np.array([0, 2], np.int32)), table)  # each sequence's last row
     p.lm_head(y, p.upload_float(rng.standard_normal((300, dim)).astype(np.float32)))
     return p.to_host(logits), p.argmax(logits)
 
@@ -95,8 +96,9 @@ def test_every_launch_matches_its_kernel_signature_and_limits(fake):
         assert len(grid) == 2 and all(isinstance(g, int) and g >= 1 for g in grid) and grid[1] <= 65535
         assert all(a % 256 == 0 for a, f in zip(args, fmt, strict=True) if f == "P"), "an unaligned pointer"
     assert seen == set(sigs) - {"embed_f32", "lm_head_f32"}  # F16 embedding; the F32 table runs as bf16
-    assert sum(p.dispatches.values()) == len(launches(fake)) + 1  # + copy_last_row, a device copy
-    assert p.dispatches["copy_last_row"] == 1
+    assert sum(p.dispatches.values()) == len(launches(fake)) + 1  # + copy_rows, device copies
+    assert p.dispatches["copy_rows"] == 1
+    assert [e for e in fake.log if e[0] == "dtod"] == [("dtod", 4 * 256)] * 2  # rows 0 and 2: two runs, in bounds
 
 
 def test_every_read_waits_for_the_stream(fake):
@@ -251,7 +253,27 @@ def test_batches_beyond_the_grid_limit_are_refused(fake):
     p = open_fake(fake)
     x = p.upload_float(np.zeros((70000, 8), np.float32))
     with pytest.raises(UsageError, match="grid limit"):
-        p.rope(x, 1, 8, 0, 1e4)
+        p.rope(x, 1, 8, np.arange(70000, dtype=np.int32), 1e4)
+
+
+def test_index_arrays_go_to_the_device_once_per_forward(fake):
+    """The transformer passes the same slots and positions to every layer: they are copied to the device
+    when their values change, not at every rope and attention call."""
+    p = open_fake(fake)
+    cache = p.kv_cache(4, 32, 1, 16, 2)
+    x = p.upload_float(np.ones((3, 16), np.float32))
+
+    def forward(slots, positions):
+        before = len([e for e in fake.log if e[0] == "htod"])
+        for layer in range(4):
+            q = p.rope(x, 1, 16, positions, 1e4)
+            p.attention(q, q, x, cache, layer, slots, positions, 1, 1, 16)
+        return len([e for e in fake.log if e[0] == "htod"]) - before
+
+    slots, positions = np.array([0, 0, 1], np.int32), np.array([0, 1, 0], np.int32)
+    assert forward(slots, positions) == 2 + 2  # slots and positions, and the rope tables on first use
+    assert forward(slots, np.array([2, 3, 1], np.int32)) == 1  # a decode step: only the positions changed
+    assert forward(np.array([1, 1, 0], np.int32), np.array([2, 3, 1], np.int32)) == 1
 
 
 # -- on a real CUDA device -----------------------------------------------------------------------------

@@ -149,9 +149,12 @@ def test_rmsnorm(ocl, ref):
 def test_rope(ocl, ref, theta):
     rng = np.random.default_rng(2)
     x = rng.standard_normal((7, 3 * 128)).astype(np.float32)
-    for pos0 in (0, 300):  # 300 + 7 grows the cos/sin table past its first 256 positions
-        got = ocl.to_host(ocl.rope(ocl.upload_float(x), 3, 128, pos0, theta))
-        assert_close(got, ref.rope(x, 3, 128, pos0, theta))
+    # Consecutive runs from 0 and from 300 (past the table's first 256 positions: it grows), then rows of
+    # several sequences at arbitrary positions, repeats and a jump back included.
+    for positions in ([0, 1, 2, 3, 4, 5, 6], [300, 301, 302, 303, 304, 305, 306], [5, 0, 1000, 7, 7, 2, 299]):
+        pos = np.array(positions, np.int32)
+        got = ocl.to_host(ocl.rope(ocl.upload_float(x), 3, 128, pos, theta))
+        assert_close(got, ref.rope(x, 3, 128, pos, theta))
 
 
 @pytest.mark.parametrize("act", ["silu", "relu2"])
@@ -162,12 +165,17 @@ def test_act_mul(ocl, ref, act):
     assert_close(got, ref.act_mul(g, u, act))
 
 
-def test_add_and_last_row(ocl, ref):
+def test_add_and_rows(ocl, ref):
     rng = np.random.default_rng(4)
     a, b = rng.standard_normal((5, 300)).astype(np.float32), rng.standard_normal((5, 300)).astype(np.float32)
     s = ocl.add(ocl.upload_float(a), ocl.upload_float(b))
     np.testing.assert_array_equal(ocl.to_host(s), ref.add(a, b))
-    np.testing.assert_array_equal(ocl.to_host(ocl.last_row(s)), ref.add(a, b)[-1:])
+    for index in ([4], [0], [0, 2, 3], [1, 2, 3, 4], [0, 1, 2, 3, 4]):  # runs of one row and of several
+        idx = np.array(index, np.int32)
+        np.testing.assert_array_equal(ocl.to_host(ocl.rows(s, idx)), ref.rows(ref.add(a, b), idx))
+    for bad in ([], [5], [2, 1], [1, 1]):
+        with pytest.raises(UsageError, match="ascending"):
+            ocl.rows(s, np.array(bad, np.int32))
 
 
 # -- embedding, LM head, argmax ------------------------------------------------------------------------
@@ -219,23 +227,89 @@ def test_attention_gqa_prefill_then_decode(ocl, ref, head_dim, prompt):
     c_ref = ref.kv_cache(n_layers, n_ctx, n_kv, head_dim)
     pos0 = 0
     for n in (prompt, 1, 1, 1, 3):
+        slots, positions = np.zeros(n, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
         for layer in (1, 0):  # different data per layer: the cache's layer offset matters
             q = 3 * rng.standard_normal((n, n_heads * head_dim)).astype(np.float32)  # peaked softmax
             k, v = (rng.standard_normal((n, n_kv * head_dim)).astype(np.float32) for _ in range(2))
             dq, dk, dv = (ocl.upload_float(a) for a in (q, k, v))
-            got = ocl.to_host(ocl.attention(dq, dk, dv, c_ocl, layer, pos0, n_heads, n_kv, head_dim))
-            assert_close(got, ref.attention(q, k, v, c_ref, layer, pos0, n_heads, n_kv, head_dim))
+            got = ocl.to_host(ocl.attention(dq, dk, dv, c_ocl, layer, slots, positions, n_heads, n_kv, head_dim))
+            assert_close(got, ref.attention(q, k, v, c_ref, layer, slots, positions, n_heads, n_kv, head_dim))
         pos0 += n
 
 
+# Batches of rows from several sequences, as the scheduler makes them: (slot, first position, rows).
+MIXED_STEPS = [
+    [(2, 0, 9)],  # slot 2 prefills alone
+    [(0, 0, 5), (2, 9, 1)],  # slot 0 prefills beside slot 2's decode
+    [(2, 10, 1), (1, 0, 40), (0, 5, 1)],  # slot 1's prefill chunk (past a work-group of positions) between decodes
+    [(0, 6, 1), (1, 40, 1), (2, 11, 1)],  # three decodes
+    [(1, 41, 3), (2, 4, 2)],  # slot 2 rewinds to position 4 (a reused prefix), overwriting what followed
+]
+
+
+def run_mixed_steps(p, ref, head_dim: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
+    """MIXED_STEPS through attention on `p` and on the reference, two layers each: (got, want) per call."""
+    rng = np.random.default_rng(21)
+    n_heads, n_kv, n_layers, n_ctx, n_seqs = 4, 2, 2, 64, 3
+    c_p, c_ref = (x.kv_cache(n_layers, n_ctx, n_kv, head_dim, n_seqs) for x in (p, ref))
+    out = []
+    for step in MIXED_STEPS:
+        slots = np.concatenate([np.full(n, s, np.int32) for s, _, n in step])
+        positions = np.concatenate([np.arange(p0, p0 + n, dtype=np.int32) for _, p0, n in step])
+        for layer in (1, 0):
+            q = 3 * rng.standard_normal((len(slots), n_heads * head_dim)).astype(np.float32)
+            k, v = (rng.standard_normal((len(slots), n_kv * head_dim)).astype(np.float32) for _ in range(2))
+            dq, dk, dv = (p.upload_float(a) for a in (q, k, v))
+            got = p.to_host(p.attention(dq, dk, dv, c_p, layer, slots, positions, n_heads, n_kv, head_dim))
+            out.append((got, ref.attention(q, k, v, c_ref, layer, slots, positions, n_heads, n_kv, head_dim)))
+    return out
+
+
+def test_attention_mixed_slots_and_positions(ocl, ref):
+    """Each row reads its own slot's history up to its own position: prefill chunks beside decodes, slots
+    at different lengths, a rewind."""
+    for got, want in run_mixed_steps(ocl, ref):
+        assert_close(got, want)
+
+
+def test_attention_reading_the_wrong_slot_fails_the_mixed_test(device, ref):
+    """The mixed test can fail: with every row reading slot 0's history (a store into the right slot left
+    as it is), attention goes wrong wherever a row is not in slot 0."""
+    broken = kernels_src.source("opencl").replace("kv_head_base(layer, slots[i], h /", "kv_head_base(layer, 0, h /")
+    assert broken != kernels_src.source("opencl")
+    p = OpenCLProvider(device, source=broken)
+    try:
+        results = run_mixed_steps(p, ref)
+    finally:
+        p.close()
+    wrong = [not np.allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max())) for got, want in results]
+    assert all(wrong), wrong  # every call has rows outside slot 0
+
+
 def test_attention_refuses_unwritten_or_overflowing_positions(ocl):
-    cache = ocl.kv_cache(1, 4, 1, 16)
+    cache = ocl.kv_cache(1, 4, 1, 16, n_seqs=2)
     x = ocl.upload_float(np.ones((2, 16), np.float32))
-    with pytest.raises(UsageError, match="follows only 0"):
-        ocl.attention(x, x, x, cache, 0, 1, 1, 1, 16)
-    ocl.attention(x, x, x, cache, 0, 0, 1, 1, 16)
-    with pytest.raises(UsageError, match="exceed the context"):
-        ocl.attention(x, x, x, cache, 0, 3, 1, 1, 16)
+
+    def attend(slots, positions):
+        return ocl.attention(x, x, x, cache, 0, np.array(slots, np.int32), np.array(positions, np.int32), 1, 1, 16)
+
+    with pytest.raises(UsageError, match="position 1 of slot 0 follows only 0"):
+        attend([0, 0], [1, 2])
+    with pytest.raises(UsageError, match="position 2 of slot 1 follows only 0"):
+        attend([0, 1], [0, 2])  # slot 0's rows do not fill slot 1
+    attend([0, 0], [0, 1])
+    with pytest.raises(UsageError, match="position 2 of slot 1 follows only 0"):
+        attend([0, 1], [2, 2])  # slot 0 holds two positions, slot 1 none
+    with pytest.raises(UsageError, match="exceeds the context of 4"):
+        attend([0, 0], [3, 4])
+    with pytest.raises(UsageError, match="slot out of range 0..1"):
+        attend([2, 2], [0, 1])
+    with pytest.raises(UsageError, match="2 rows need 2 slots and positions"):
+        attend([0], [0])
+    assert cache.filled.tolist() == [[2, 0]]  # refused calls stored nothing
+    attend([1, 1], [0, 1])
+    attend([0, 0], [0, 1])  # a rewind of slot 0 to its start
+    assert cache.filled.tolist() == [[2, 2]]
 
 
 # -- the LM head's formats: the conversion kernel and the bf16 head ---------------------------------------------
@@ -383,9 +457,9 @@ def test_dispatches_record_what_ran(fresh):
     x = fresh.upload_float(np.ones((1, 256), np.float32))
     fresh.bitlinear(x, w, "block256")
     fresh.bitlinear(x, w, "none")
-    fresh.argmax(fresh.last_row(x))
+    fresh.argmax(fresh.rows(x, np.array([0], np.int32)))
     assert dict(fresh.dispatches) == {"quantize_i8": 1, "ternary_matmul_i8": 1, "ternary_matmul_f32": 1,
-                                      "copy_last_row": 1, "argmax_f32": 1}
+                                      "copy_rows": 1, "argmax_f32": 1}
 
 
 # -- the portable source ------------------------------------------------------------------------------------

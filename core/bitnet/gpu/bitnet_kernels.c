@@ -530,45 +530,57 @@ KERNEL rmsnorm_f32(const GLOBAL float* RESTRICT x, const GLOBAL float* RESTRICT 
 }
 
 /* NEOX rotary embedding: the pair (j, j + head_dim / 2) of each head turns by the angle of its row's
- * position; cos and sin come from [position][head_dim / 2] tables the host computes once, in float64. */
+ * position (positions[i]: the rows of a batch may belong to different sequences); cos and sin come from
+ * [position][head_dim / 2] tables the host computes once, in float64. */
 KERNEL rope_neox_f32(const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT out,
-                     const GLOBAL float* RESTRICT cos_t, const GLOBAL float* RESTRICT sin_t, int n_heads,
-                     int head_dim, int pos0)
+                     const GLOBAL float* RESTRICT cos_t, const GLOBAL float* RESTRICT sin_t,
+                     const GLOBAL int* RESTRICT positions, int n_heads, int head_dim)
 {
     const int i = GROUP_Y, e = GLOBAL_X, pairs = head_dim / 2;
     if (e >= n_heads * pairs) return;
     const size_t a = (size_t)i * n_heads * head_dim + (size_t)(e / pairs) * head_dim + e % pairs;
-    const size_t at = (size_t)(pos0 + i) * pairs + e % pairs;
+    const size_t at = (size_t)positions[i] * pairs + e % pairs;
     const float c = cos_t[at], s = sin_t[at], x0 = x[a], x1 = x[a + pairs];
     out[a] = x0 * c - x1 * s;
     out[a + pairs] = x1 * c + x0 * s;
 }
 
-/* K and V rows for positions pos0.. into the cache, laid out [layer][kv_head][position][dim] so that
- * attention reads each head's history contiguously. */
+/* The first element of KV head `kv_head` of sequence slot `slot` in `layer`: the cache is laid out
+ * [layer][slot][kv_head][position][dim], so that attention reads each head's history contiguously. */
+DEVICE size_t kv_head_base(int layer, int slot, int kv_head, int n_seqs, int n_kv_heads, int n_ctx, int head_dim)
+{
+    return (((size_t)layer * n_seqs + slot) * n_kv_heads + kv_head) * n_ctx * head_dim;
+}
+
+/* Row i's K and V into slot slots[i] at position positions[i] (group y = row). */
 KERNEL kv_store_f32(const GLOBAL float* RESTRICT k, const GLOBAL float* RESTRICT v, GLOBAL float* RESTRICT kc,
-                    GLOBAL float* RESTRICT vc, int layer, int pos0, int n_kv_heads, int head_dim, int n_ctx)
+                    GLOBAL float* RESTRICT vc, const GLOBAL int* RESTRICT slots,
+                    const GLOBAL int* RESTRICT positions, int layer, int n_seqs, int n_kv_heads, int head_dim,
+                    int n_ctx)
 {
     const int i = GROUP_Y, e = GLOBAL_X, width = n_kv_heads * head_dim;
     if (e >= width) return;
-    const size_t head = (size_t)layer * n_kv_heads + e / head_dim;
-    const size_t at = (head * n_ctx + pos0 + i) * head_dim + e % head_dim;
+    const size_t at = kv_head_base(layer, slots[i], e / head_dim, n_seqs, n_kv_heads, n_ctx, head_dim)
+                    + (size_t)positions[i] * head_dim + e % head_dim;
     kc[at] = k[(size_t)i * width + e];
     vc[at] = v[(size_t)i * width + e];
 }
 
-/* Causal grouped-query attention of query row i (position pos0 + i), head h: group (h, i). One pass
- * over the head's positions in chunks of LSIZE with an online softmax (running max m and sum l; the
- * output row, owned by this group, is rescaled when m grows), so no n_ctx-sized score buffer exists.
- * Thread t scores position c0 + t; then threads take dimensions and accumulate p * V. */
+/* Causal grouped-query attention of query row i, head h (group (h, i)) over positions 0..positions[i] of
+ * its own slot, slots[i]: nothing a row computes depends on the other rows of the batch. One pass over the
+ * head's positions in chunks of LSIZE with an online softmax (running max m and sum l; the output row,
+ * owned by this group, is rescaled when m grows), so no n_ctx-sized score buffer exists. Thread t scores
+ * position c0 + t; then threads take dimensions and accumulate p * V. */
 KERNEL attention_f32(const GLOBAL float* RESTRICT q, const GLOBAL float* RESTRICT kc,
-                     const GLOBAL float* RESTRICT vc, GLOBAL float* RESTRICT out, int layer, int pos0,
-                     int n_heads, int n_kv_heads, int head_dim, int n_ctx, float scale)
+                     const GLOBAL float* RESTRICT vc, GLOBAL float* RESTRICT out, const GLOBAL int* RESTRICT slots,
+                     const GLOBAL int* RESTRICT positions, int layer, int n_seqs, int n_heads, int n_kv_heads,
+                     int head_dim, int n_ctx, float scale)
 {
     LOCAL float p[MAX_WG];
     LOCAL float red[MAX_WG];
-    const int h = GROUP_X, i = GROUP_Y, n_kv = pos0 + i + 1;
-    const size_t head = ((size_t)layer * n_kv_heads + h / (n_heads / n_kv_heads)) * n_ctx * head_dim;
+    const int h = GROUP_X, i = GROUP_Y, n_kv = positions[i] + 1;
+    const size_t head = kv_head_base(layer, slots[i], h / (n_heads / n_kv_heads), n_seqs, n_kv_heads, n_ctx,
+                                     head_dim);
     const GLOBAL float* K = kc + head;
     const GLOBAL float* V = vc + head;
     const GLOBAL float* qh = q + ((size_t)i * n_heads + h) * head_dim;

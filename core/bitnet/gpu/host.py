@@ -9,7 +9,7 @@ runtime/ops_cl.py:
     _free(buffer)
     _copy_in(buffer, host)       host to device, queued behind the work before it; keeps `host` alive
     _copy_out(host, buffer)      device to host, after all queued work (only to_host and argmax read)
-    _copy(dst, src, offset, n)   device to device, queued
+    _copy(dst, dst_offset, src, src_offset, n)   device to device, n bytes between byte offsets, queued
     _launch(kernel, grid, local, args)   grid in work-groups; args are buffers, np.int32, np.float32, np.uint64
     _finish()                    wait for all queued work
 
@@ -198,12 +198,31 @@ class TernaryWeight:
 
 @dataclass
 class KVCache:
-    k: Tensor  # float32 [n_layers, n_kv_heads, n_ctx, head_dim]
+    k: Tensor  # float32 [n_layers, n_seqs, n_kv_heads, n_ctx, head_dim]
     v: Tensor
     n_kv_heads: int
     n_ctx: int
     head_dim: int
-    filled: list[int]  # per layer: positions 0..filled-1 hold K and V
+    n_seqs: int
+    filled: np.ndarray  # int64 [n_layers, n_seqs]: positions 0..filled-1 of a slot hold K and V
+
+
+def check_rows(cache: KVCache, layer: int, slots: np.ndarray, positions: np.ndarray, n: int) -> None:
+    """One-line UsageErrors for what the kernels would get wrong: a slot or position outside the cache,
+    or a row whose earlier positions were never written (neither cached nor a row just before it in the
+    batch), which attention would read as garbage."""
+    if len(slots) != n or len(positions) != n:
+        raise UsageError(f"{n} rows need {n} slots and positions, got {len(slots)} and {len(positions)}")
+    if slots.min() < 0 or slots.max() >= cache.n_seqs:
+        raise UsageError(f"sequence slot out of range 0..{cache.n_seqs - 1}")
+    if positions.min() < 0 or positions.max() >= cache.n_ctx:
+        raise UsageError(f"position {int(positions.max())} exceeds the context of {cache.n_ctx}")
+    follows = np.r_[False, (slots[1:] == slots[:-1]) & (positions[1:] == positions[:-1] + 1)]
+    unwritten = ~follows & (positions > cache.filled[layer, slots])
+    if unwritten.any():
+        i = int(np.argmax(unwritten))
+        raise UsageError(f"position {int(positions[i])} of slot {int(slots[i])} follows only "
+                         f"{int(cache.filled[layer, slots[i]])} cached positions")
 
 
 @dataclass(frozen=True)
@@ -244,6 +263,8 @@ class GpuProvider(KernelProvider):
         self.local: dict[str, int] = {}
         self.simd: dict[str, int] = {}
         self._rope: dict[tuple[float, int], tuple[Tensor, Tensor]] = {}
+        # Per role ("positions", "slots"): a resident device buffer and the host values it holds.
+        self._indices: dict[str, tuple[Tensor, np.ndarray]] = {}
         self._lm_tables: weakref.WeakKeyDictionary[Tensor, Tensor] = weakref.WeakKeyDictionary()
         self.closed = False
 
@@ -260,7 +281,7 @@ class GpuProvider(KernelProvider):
     def _copy_out(self, host: np.ndarray, buf: Any) -> None:
         raise NotImplementedError
 
-    def _copy(self, dst: Any, src: Any, src_offset: int, nbytes: int) -> None:
+    def _copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int) -> None:
         raise NotImplementedError
 
     def _launch(self, kernel: Any, grid: tuple[int, ...], local: int, args: list[Any]) -> None:
@@ -314,6 +335,26 @@ class GpuProvider(KernelProvider):
             raise
         return made
 
+    def _index(self, role: str, host: np.ndarray) -> Tensor:
+        """A small int32 array (the rows' positions or slots) on the device. The transformer passes the
+        same arrays to every layer, so one resident buffer per role is rewritten only when the values
+        change: one upload per forward, not one per layer. Rewriting it is safe on the one in-order queue
+        (kernels queued before the copy read the old values); it grows by doubling."""
+        held = self._indices.get(role)
+        if held is not None and held[1].shape == host.shape and np.array_equal(held[1], host):
+            return held[0]
+        if held is None or held[0].shape[0] < host.size:
+            if held is not None:
+                held[0].release()
+            (dev,) = self._resident(((max(64, 1 << (host.size - 1).bit_length()),), np.int32, f"{role} index",
+                                     None))
+        else:
+            dev = held[0]
+        values = np.array(host, dtype=np.int32)  # a copy: the caller may reuse its array mid-copy
+        self._copy_in(dev.buf, values)
+        self._indices[role] = (dev, values)
+        return dev
+
     def _read(self, t: Tensor, dtype: Any) -> np.ndarray:
         out = np.empty(t.shape, dtype)
         self._copy_out(out, t.buf)
@@ -334,6 +375,7 @@ class GpuProvider(KernelProvider):
         self.closed = True
         self._finish()
         self._rope.clear()
+        self._indices.clear()
         self._lm_tables.clear()
         self.pool.close()
 
@@ -354,12 +396,12 @@ class GpuProvider(KernelProvider):
         return t
 
     @op
-    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int) -> KVCache:
-        shape = (n_layers, n_kv_heads, n_ctx, head_dim)
-        what = f"of {n_ctx} positions"
+    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> KVCache:
+        shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
+        what = f"of {n_ctx} positions" + (f" x {n_seqs} sequences" if n_seqs > 1 else "")
         k, v = self._resident((shape, np.float32, f"KV cache K {what}", None),
                               (shape, np.float32, f"KV cache V {what}", None))
-        return KVCache(k, v, n_kv_heads, n_ctx, head_dim, [0] * n_layers)
+        return KVCache(k, v, n_kv_heads, n_ctx, head_dim, n_seqs, np.zeros((n_layers, n_seqs), np.int64))
 
     @op
     def from_host(self, a: np.ndarray) -> Tensor:
@@ -426,37 +468,42 @@ class GpuProvider(KernelProvider):
         return self._rope[key]
 
     @op
-    def rope(self, x: Tensor, n_heads: int, head_dim: int, pos0: int, theta: float) -> Tensor:
+    def rope(self, x: Tensor, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Tensor:
         n = x.shape[0]
         if x.shape[1] != n_heads * head_dim or head_dim % 2:
             raise ValueError(f"rope: width {x.shape[1]} is not {n_heads} heads of even dim {head_dim}")
-        cos, sin = self._rope_table(theta, head_dim, pos0 + n)
+        positions = np.asarray(positions).reshape(-1)
+        if len(positions) != n or (n and positions.min() < 0):
+            raise UsageError(f"rope: {n} rows need {n} positions >= 0, got {positions.tolist()[:8]}")
+        cos, sin = self._rope_table(theta, head_dim, int(positions.max()) + 1)
         out = self._new(x.shape)
         pairs = n_heads * head_dim // 2
         self._run("rope_neox_f32", (groups(pairs, self.local["rope_neox_f32"]), n),
-                  x, out, cos, sin, n_heads, head_dim, pos0)
+                  x, out, cos, sin, self._index("positions", positions), n_heads, head_dim)
         return out
 
     @op
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, pos0: int,
-                  n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, slots: np.ndarray,
+                  positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
         n = q.shape[0]
         if (n_kv_heads, head_dim) != (cache.n_kv_heads, cache.head_dim) or n_heads % n_kv_heads:
             raise ValueError(f"attention: {n_heads} heads over {n_kv_heads} KV heads of dim {head_dim} "
                              f"do not fit a cache of {cache.n_kv_heads} KV heads of dim {cache.head_dim}")
-        if pos0 + n > cache.n_ctx:
-            raise UsageError(f"positions {pos0}..{pos0 + n - 1} exceed the context of {cache.n_ctx}")
-        if pos0 > cache.filled[layer]:  # the kernel would read positions nobody wrote
-            raise UsageError(f"position {pos0} follows only {cache.filled[layer]} cached positions")
+        slots, positions = np.asarray(slots).reshape(-1), np.asarray(positions).reshape(-1)
+        check_rows(cache, layer, slots, positions, n)
+        dev_slots, dev_pos = self._index("slots", slots), self._index("positions", positions)
         width = n_kv_heads * head_dim
-        self._run("kv_store_f32", (groups(width, self.local["kv_store_f32"]), n),
-                  k, v, cache.k, cache.v, layer, pos0, n_kv_heads, head_dim, cache.n_ctx)
-        cache.filled[layer] = pos0 + n
+        self._run("kv_store_f32", (groups(width, self.local["kv_store_f32"]), n), k, v, cache.k, cache.v,
+                  dev_slots, dev_pos, layer, cache.n_seqs, n_kv_heads, head_dim, cache.n_ctx)
+        # As the transformer counts: a sequence's last row ends what its slot holds (a rewind forgets the rest).
+        last = np.r_[slots[1:] != slots[:-1], True]
+        cache.filled[layer, slots[last]] = positions[last] + 1
         out = self._new(q.shape)
         # Chunks of about head_dim positions keep every thread busy in both the score and the V phase.
         local = min(self.local["attention_f32"], 1 << (head_dim - 1).bit_length())
-        self._run("attention_f32", (n_heads, n), q, cache.k, cache.v, out, layer, pos0, n_heads,
-                  n_kv_heads, head_dim, cache.n_ctx, float(1.0 / math.sqrt(head_dim)), local=local)
+        self._run("attention_f32", (n_heads, n), q, cache.k, cache.v, out, dev_slots, dev_pos, layer,
+                  cache.n_seqs, n_heads, n_kv_heads, head_dim, cache.n_ctx, float(1.0 / math.sqrt(head_dim)),
+                  local=local)
         return out
 
     @op
@@ -477,11 +524,19 @@ class GpuProvider(KernelProvider):
         return out
 
     @op
-    def last_row(self, x: Tensor) -> Tensor:
+    def rows(self, x: Tensor, index: np.ndarray) -> Tensor:
+        """Rows `index` of x, by device copies: one per run of consecutive rows (the indices are known on
+        the host; a batch asks for one row per sequence, a handful)."""
         n, width = x.shape
-        out = self._new((1, width))
-        self._copy(out.buf, x.buf, (n - 1) * width * 4, width * 4)
-        self.record("copy_last_row")
+        index = np.asarray(index, np.int64).reshape(-1)
+        if not index.size or index.min() < 0 or index.max() >= n or (np.diff(index) <= 0).any():
+            raise UsageError(f"rows: indices must be ascending in 0..{n - 1}, got {index.tolist()[:8]}")
+        out = self._new((len(index), width))
+        breaks = np.flatnonzero(np.diff(index) != 1) + 1
+        for run in np.split(np.arange(len(index)), breaks):
+            self._copy(out.buf, int(run[0]) * width * 4, x.buf, int(index[run[0]]) * width * 4,
+                       len(run) * width * 4)
+        self.record("copy_rows")
         return out
 
     def _lm_table(self, table: Tensor) -> Tensor:

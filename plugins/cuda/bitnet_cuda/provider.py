@@ -164,8 +164,8 @@ class CudaProvider(GpuProvider):
         drv.memcpy_dtoh(host, buf)
         self._writes.clear()
 
-    def _copy(self, dst: Any, src: Any, src_offset: int, nbytes: int) -> None:
-        drv.memcpy_dtod_async(dst, int(src) + src_offset, nbytes, self.stream)
+    def _copy(self, dst: Any, dst_offset: int, src: Any, src_offset: int, nbytes: int) -> None:
+        drv.memcpy_dtod_async(int(dst) + dst_offset, int(src) + src_offset, nbytes, self.stream)
 
     def _launch(self, kernel: Any, grid: tuple[int, ...], local: int, args: list[Any]) -> None:
         fmt = "".join(_FORMAT.get(type(a), "P") for a in args)

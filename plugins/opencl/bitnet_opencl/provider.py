@@ -148,8 +148,8 @@ class OpenCLProvider(GpuProvider):
         cl.enqueue_copy(self.queue, host, buf, is_blocking=True)  # waits for the work queued before it
         self._writes.clear()
 
-    def _copy(self, dst: cl.Buffer, src: cl.Buffer, src_offset: int, nbytes: int) -> None:
-        cl.enqueue_copy(self.queue, dst, src, src_offset=src_offset, byte_count=nbytes)
+    def _copy(self, dst: cl.Buffer, dst_offset: int, src: cl.Buffer, src_offset: int, nbytes: int) -> None:
+        cl.enqueue_copy(self.queue, dst, src, dst_offset=dst_offset, src_offset=src_offset, byte_count=nbytes)
 
     def _launch(self, kernel: cl.Kernel, grid: tuple[int, ...], local: int, args: list[Any]) -> None:
         try:
