@@ -225,6 +225,69 @@ def test_twenty_generations_on_one_engine_are_identical_and_leak_nothing(models,
     assert engine.provider.leaks() == [] and (pool.stats.current, pool.stats.in_use) == (0, 0)
 
 
+# -- many sequences at once: batch invariance ----------------------------------------------------------------
+# One sequence per slot, each a token list; the batched steps below cut them into prefill chunks and
+# decodes. Sequence A is 21 tokens, B 13, C 2, D 17 (so rows fall at every offset of a matmul tile).
+SEQUENCES = {2: list(range(3, 24)), 0: list(range(40, 53)), 3: [7, 7], 1: list(range(90, 107))}
+# Steps: (slot, first position, tokens) per sequence, in batch order, and the rows that get logits (None:
+# every row). A prefill chunk of one sequence runs beside decodes of others; slot order is arbitrary.
+BATCH_STEPS = [
+    ([(2, 0, 20), (0, 0, 5)], None),  # two prefills, 25 rows: more than three tiles of 8
+    ([(2, 20, 1), (0, 5, 7), (3, 0, 1), (1, 0, 16)], None),  # A decodes beside three prefill chunks
+    ([(3, 1, 1), (0, 12, 1), (1, 16, 1)], [0, 2]),  # three decodes, logits of two (rows() gathers)
+]
+
+
+def sequences_alone(path: Path, mode: str) -> dict[int, np.ndarray]:
+    """Every position's logits of each sequence run alone: a one-slot engine, one forward per sequence."""
+    with bitnet.load(path, device="opencl", act_quant=mode) as alone:
+        out = {}
+        for slot, ids in SEQUENCES.items():
+            alone.transformer.reset()
+            out[slot] = alone.provider.to_host(alone.transformer.forward(np.array(ids, np.int32), 0, all_logits=True))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["b1.58-i2_s-gqa4-tied", "b1.58-tq2_0-mqa-scales-spm"])
+def test_a_batch_of_sequences_gives_each_its_logits_alone_bit_for_bit(models, name, mode):
+    """Batch invariance: a row's logits never depend on the rows beside it, whatever their slots,
+    positions or number, and whatever the chunking of its own prompt. Bit for bit, every mode."""
+    want = sequences_alone(models[name], mode)
+    with bitnet.load(models[name], device="opencl", act_quant=mode, n_seqs=4) as engine:
+        tr, p = engine.transformer, engine.provider
+        for step, rows in BATCH_STEPS:
+            ids = np.concatenate([SEQUENCES[slot][p0:p0 + n] for slot, p0, n in step]).astype(np.int32)
+            slots = np.concatenate([np.full(n, slot) for slot, _, n in step]).astype(np.int32)
+            positions = np.concatenate([np.arange(p0, p0 + n) for _, p0, n in step]).astype(np.int32)
+            index = np.arange(len(ids)) if rows is None else np.array(rows)
+            got = p.to_host(tr.forward_batch(ids, slots, positions, index.astype(np.int32)))
+            expected = np.stack([want[slots[i]][positions[i]] for i in index])
+            for row, (g, w) in enumerate(zip(got, expected, strict=True)):
+                np.testing.assert_array_equal(g, w, err_msg=f"row {index[row]}: slot {slots[index[row]]} "
+                                                            f"position {positions[index[row]]}")
+        assert p.dispatches["copy_rows"] == 1 and not p.fallbacks and p.leaks() == []
+
+
+PROMPTS = ["Hello", "Once upon a time, in a land far away,", "The quick brown fox", "1, 2, 3,", "Numbers: 42"]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}], ids=["greedy", "seeded"])
+def test_generate_batch_gives_every_prompt_its_text_alone(models, sampling):
+    """engine.generate_batch on 4 slots (5 prompts: one waits for a slot) equals each prompt's generate.
+    End-of-generation tokens are biased away so that every sequence runs its 16 tokens."""
+    with bitnet.load(models["bitnet-tq2_0-gqa-tied"], device="opencl", n_seqs=4) as engine:
+        kwargs = {"max_tokens": 16, "logit_bias": {t: -100.0 for t in engine.tokenizer.eog_ids}, **sampling}
+        alone = []
+        for prompt in PROMPTS:
+            engine.reset()
+            alone.append("".join(engine.generate(prompt, **kwargs)))
+        batched = engine.generate_batch(PROMPTS, **kwargs)
+        assert engine.provider.leaks() == []
+    assert all(alone) and len(set(alone)) > 1  # real, different texts
+    assert batched == alone
+
+
 # -- start-up: first-token latency and the program cache ----------------------------------------------------
 START = textwrap.dedent("""
     import json, sys, bitnet
