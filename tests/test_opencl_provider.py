@@ -300,8 +300,10 @@ def test_attention_refuses_unwritten_or_overflowing_positions(ocl):
     attend([0, 0], [0, 1])
     with pytest.raises(UsageError, match="position 2 of slot 1 follows only 0"):
         attend([0, 1], [2, 2])  # slot 0 holds two positions, slot 1 none
-    with pytest.raises(UsageError, match="exceeds the context of 4"):
+    with pytest.raises(UsageError, match="position 4 is outside the context of 4"):
         attend([0, 0], [3, 4])
+    with pytest.raises(UsageError, match="position -1 is outside the context of 4"):
+        attend([0, 0], [-1, 0])
     with pytest.raises(UsageError, match="slot out of range 0..1"):
         attend([2, 2], [0, 1])
     with pytest.raises(UsageError, match="2 rows need 2 slots and positions"):

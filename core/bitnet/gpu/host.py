@@ -215,8 +215,9 @@ def check_rows(cache: KVCache, layer: int, slots: np.ndarray, positions: np.ndar
         raise UsageError(f"{n} rows need {n} slots and positions, got {len(slots)} and {len(positions)}")
     if slots.min() < 0 or slots.max() >= cache.n_seqs:
         raise UsageError(f"sequence slot out of range 0..{cache.n_seqs - 1}")
-    if positions.min() < 0 or positions.max() >= cache.n_ctx:
-        raise UsageError(f"position {int(positions.max())} exceeds the context of {cache.n_ctx}")
+    outside = (positions < 0) | (positions >= cache.n_ctx)
+    if outside.any():
+        raise UsageError(f"position {int(positions[outside][0])} is outside the context of {cache.n_ctx}")
     follows = np.r_[False, (slots[1:] == slots[:-1]) & (positions[1:] == positions[:-1] + 1)]
     unwritten = ~follows & (positions > cache.filled[layer, slots])
     if unwritten.any():
