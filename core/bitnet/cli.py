@@ -397,3 +397,45 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
         ctx.exit(3)
     if failures:
         ctx.exit(5)
+
+
+# -- serve (bitnet.server; the [server] extra) ---------------------------------------------------------
+
+@main.command()
+@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
+              help="GGUF model file. Default: a small built-in synthetic model (random weights, gibberish text).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Loopback unless you say otherwise (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
+@click.option("--parallel", "-np", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Sequences generated at once (continuous batching slots; each has its own KV cache of n-ctx).")
+@click.option("--n-ctx", type=click.IntRange(min=1), default=None,
+              help="Context length of each sequence (default: the model's, at most 4096).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a slot; past it, 429 with Retry-After.")
+@click.option("--api-key", envvar="BITNET_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1/* and /metrics (env: BITNET_API_KEY).")
+@click.option("--model-alias", default=None, help="The model name clients use. Default: the file's name.")
+@click.option("--chat-template", default=None, metavar="NAME|FILE",
+              help="bitnet, llama3, chatml, falcon3, zephyr, or a Jinja file. Default: the model's own.")
+@click.option("--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True)
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="On SIGTERM, seconds in-flight requests may take to finish before they are cancelled.")
+@click.pass_context
+def serve(ctx: click.Context, model: str | None, host: str, port: int, parallel: int, n_ctx: int | None,
+          max_queue: int, api_key: str | None, model_alias: str | None, chat_template: str | None,
+          act_quant: str, shutdown_timeout: float) -> None:
+    """Serve the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
+    from bitnet.server import missing_server_modules
+
+    missing = missing_server_modules()
+    if missing:
+        raise UsageError(f"serve needs the server extra ({', '.join(missing)} not installed): "
+                         "pip install 'bitnet-core[server]'")
+    from bitnet.server import app as server_app
+
+    settings = server_app.Settings(
+        model=model, device=ctx.obj["device"], n_ctx=n_ctx, parallel=parallel, max_queue=max_queue,
+        api_key=api_key or None, model_alias=model_alias, chat_template=chat_template, act_quant=act_quant,
+        shutdown_timeout=shutdown_timeout, debug=ctx.obj["debug"])
+    server_app.run(settings, host, port)
