@@ -18,14 +18,14 @@ Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --weight-type i2_s`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import workers
 
 SEED = 99
 
@@ -128,11 +128,7 @@ def spawn(kind: str, args: argparse.Namespace, model: str, threads: int) -> dict
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model, "--threads",
            str(threads), "--batches", args.batches, "--prompt-tokens", str(args.prompt_tokens),
            "--decode-tokens", str(args.decode_tokens)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    line = next((ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        raise RuntimeError(f"{kind} worker failed ({p.returncode}): {p.stderr.strip()[-800:]}")
-    return json.loads(line)
+    return workers.run(cmd, env, args.timeout, kind)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             out = worker_llama(args.model, threads[0], batches, args.prompt_tokens, args.decode_tokens)
         else:
             out = worker_chat(args.model, args.decode_tokens)
-        print("RESULT " + json.dumps(out))
+        workers.result(out)
         return 0
 
     llama_model = args.llama_model or args.model

@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import workers
 
 SEED = 1234
 
@@ -169,11 +170,7 @@ def spawn(kind: str, args: argparse.Namespace, model: str, threads: int,
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model,
            "--threads", str(threads), "--prompt-tokens", str(args.prompt_tokens),
            "--decode-tokens", str(args.decode_tokens), "--act-quant", args.act_quant]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    line = next((ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        raise RuntimeError(f"{kind} worker failed ({p.returncode}): {p.stderr.strip()[-800:]}")
-    return json.loads(line)
+    return workers.run(cmd, env, args.timeout, kind)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             out = worker_llama(args.model, threads[0], args.prompt_tokens, args.decode_tokens)
         else:
             out = worker_bandwidth(threads[0])
-        print("RESULT " + json.dumps(out))
+        workers.result(out)
         return 0
 
     llama_model = args.llama_model or args.model

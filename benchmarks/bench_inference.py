@@ -28,11 +28,12 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import workers
 
 BENCH_SEED = 1234  # the prompt's token ids
 # Every thread pool our providers may use: BLAS, numba's prange, PoCL's compute units.
@@ -128,7 +129,7 @@ def worker(args: argparse.Namespace) -> int:
         out = run_llama(str(args.model), args.worker_threads, args.prompt_tokens, args.decode_tokens)
     else:
         out = run_ours(str(args.model), args.worker.split(":", 1)[1], args.prompt_tokens, args.decode_tokens)
-    print("RESULT " + json.dumps(out))
+    workers.result(out)
     return 0
 
 
@@ -184,12 +185,11 @@ def measure_once(row: Row, args: argparse.Namespace, run: int) -> None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker_name, "--model", str(row.file),
            "--worker-threads", str(row.threads), "--prompt-tokens", str(args.prompt_tokens),
            "--decode-tokens", str(args.decode_tokens)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    result = next((line[7:] for line in p.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if p.returncode != 0 or result is None:
-        row.error = f"exit {p.returncode}: {(p.stderr.strip().splitlines() or ['no output'])[-1]}"
+    try:
+        r = workers.run(cmd, env, args.timeout, worker_name)
+    except RuntimeError as exc:
+        row.error = str(exc).splitlines()[-1]
         return
-    r = json.loads(result)
     row.runs.append(r)
     print(f"  {row.model:<6} {row.engine:<12} t={row.threads} run {run + 1}/{args.runs}: "
           f"load {r['load_s']:.2f} s, prefill {r['prefill_tps']:.2f} tok/s, "
