@@ -203,7 +203,69 @@ def test_truncated_file(tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    bad_load(write(tmp_path, arch="llama"), "unsupported architecture 'llama'")
+    bad_load(write(tmp_path, arch="falcon"), "unsupported architecture 'falcon'")
+
+
+@pytest.mark.parametrize("weight_type", ["i2_s", "tq2_0", "f16"])
+def test_llama_architecture_with_ternary_projections(tmp_path: Path, weight_type: str) -> None:
+    # Falcon3's shape in small: head size 128 given by key_length, wider than dim / n_heads.
+    spec = SyntheticSpec(arch="llama", weight_type=weight_type, dim=256, n_heads=4, n_kv_heads=2, head_dim=128,
+                         tied=False, tokenizer_pre="falcon3")
+    m = load_model(write_model(tmp_path / "m.gguf", spec))
+    assert (m.config.arch, m.config.activation, m.config.head_dim) == ("llama", "silu", 128)
+    assert m.layers[0].attn_sub_norm is None and m.layers[0].ffn_sub_norm is None
+    ref = synthetic_weights(spec)
+    assert "blk.0.attn_sub_norm.weight" not in ref
+    for i, layer in enumerate(m.layers):
+        for field, name in PROJ:  # Q and K rows are back in rotate-halves order, as generated
+            assert np.array_equal(getattr(layer, field).values(), ref[f"blk.{i}.{name}.weight"]), (i, name)
+    assert m.layers[0].wq.rows == 512 and m.layers[0].wo.cols == 512
+
+
+def test_llama_qk_rows_are_reordered(tmp_path: Path) -> None:
+    # The file holds Q/K rows interleaved (what llama.cpp's llama RoPE rotates); a loader that
+    # forgot to undo it would give other rows than the generated ones.
+    spec = SyntheticSpec(arch="llama", weight_type="tq2_0")
+    p = write_model(tmp_path / "m.gguf", spec)
+    stored = GGUFReader(p).tensors
+    raw_q = next(t for t in stored if t.name == "blk.0.attn_q.weight")
+    from bitnet.modelfile.formats import tq2_0_to_ternary
+    as_stored = tq2_0_to_ternary(np.asarray(raw_q.data), 256, 256).values()
+    loaded = load_model(p).layers[0].wq.values()
+    assert not np.array_equal(as_stored, loaded)
+    assert np.array_equal(as_stored[[0, 2, 4]], loaded[[0, 1, 2]])  # pair rows 2i, 2i+1 -> i, half + i
+    assert np.array_equal(as_stored[1], loaded[32])
+
+
+def test_full_precision_llama_is_refused(tmp_path: Path) -> None:
+    p = write(tmp_path, arch="llama", weight_type="f16", float_master=True)
+    bad_load(p, "blk.0.attn_q.weight", "not ternary", "refused rather than silently ternarized")
+    # The same float weights under `bitnet` are BitNet master weights: absmean, as before.
+    assert load_model(write(tmp_path, "b.gguf", weight_type="f16", float_master=True)).config.arch == "bitnet"
+
+
+def test_llama_rope_freqs_other_than_one_are_refused(tmp_path: Path) -> None:
+    p = write(tmp_path, arch="llama", weight_type="i2_s", rope_freqs=True)
+    assert load_model(p).config.arch == "llama"  # all ones: nothing to apply
+    patch(p, tensor_offsets(p, "rope_freqs.weight", _Reader)["data"], struct.pack("<f", 8.0))
+    bad_load(p, "rope_freqs", "RoPE frequency factors other than 1")
+
+
+@pytest.mark.parametrize("tl_type", [38, 39, 42])  # TL1/TL2 ids of the fork's versions (39 is MXFP4 to gguf)
+def test_tl_files_say_what_they_are(tmp_path: Path, tl_type: int) -> None:
+    from bitnet.modelfile.writer import _StreamingWriter
+
+    p = tmp_path / "tl.gguf"
+    w = _StreamingWriter(p, "llama")
+    w.add_raw_tensor_info("blk.0.attn_q.weight", (256, 256), tl_type, 256 * 256 // 8)
+    w.add_raw_tensor_info("blk.0.attn_q.weight_scale", (1,), 0, 4)
+    w.write_header_to_file(p)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.write_tensor_pieces(iter([np.zeros(256 * 256 // 8, np.uint8)]))
+    w.write_tensor_pieces(iter([np.ones(1, np.float32)]))
+    w.close()
+    bad_load(p, "blk.0.attn_q.weight", "TL1/TL2", "I2_S")
 
 
 @pytest.mark.parametrize("ggml_type", [31, 99, 2**31])

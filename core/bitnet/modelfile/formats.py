@@ -155,12 +155,13 @@ def bf16_to_float32(a: np.ndarray) -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
-def float_to_ternary(w: np.ndarray) -> TernaryMatrix:
+def float_to_ternary(w: np.ndarray, master_ok: bool = True) -> TernaryMatrix:
     """F32/F16 projection weights [rows, cols] -> TernaryMatrix.
 
     Weights that already are ternary times one scale (what llama.cpp's converter writes) keep
     that scale exactly; only true master weights get the BitNet absmean rule, since absmean of
-    already-ternary weights would shrink their scale to 2/3 of it.
+    already-ternary weights would shrink their scale to 2/3 of it. With master_ok False, weights
+    that are not ternary are refused instead (ModelError).
     """
     if w.ndim != 2:
         raise ModelError(f"projection weights must be 2-D, got shape {w.shape}")
@@ -176,6 +177,9 @@ def float_to_ternary(w: np.ndarray) -> TernaryMatrix:
         return from_values(np.zeros(w32.shape, dtype=np.int8), 0.0)
     if np.all((a == 0) | (a == s)):
         return from_values(np.sign(w32).astype(np.int8), s)
+    if not master_ok:
+        raise ModelError("weights are not ternary (not every value is 0 or +-one scale): a full-precision "
+                         "model, not BitNet b1.58; it is refused rather than silently ternarized")
     scale = np.float32(max(np.mean(a, dtype=np.float64), 1e-5))
     t = np.clip(np.rint(w32 / scale), -1, 1).astype(np.int8)
     return from_values(t, scale)

@@ -27,7 +27,11 @@ from bitnet.errors import ModelError
 from bitnet.modelfile import formats
 from bitnet.modelfile.ternary import TernaryMatrix
 
-ARCHITECTURES = {"bitnet": "silu", "bitnet-b1.58": "relu2", "bitnet-25": "relu2"}  # default FFN activation
+# Architecture -> default FFN activation. `llama` is what bitnet.cpp's converter writes for Llama3-8B-1.58
+# and the Falcon3 / Falcon-E 1.58-bit models (no sub-norms), accepted only with ternary projections.
+ARCHITECTURES = {"bitnet": "silu", "bitnet-b1.58": "relu2", "bitnet-25": "relu2", "llama": "silu"}
+# Architectures without attn_sub_norm / ffn_sub_norm.
+_NO_SUB_NORMS = {"llama"}
 _ACT_NAMES = {"silu": "silu", "swish": "silu",
               "relu2": "relu2", "relu_squared": "relu2", "squared_relu": "relu2"}
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -41,6 +45,11 @@ _EMBD_QUANT_TYPES = {int(GGMLQuantizationType[n]) for n in
 _PROJECTIONS = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
                 ("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down"))
 _LAYER_NORMS = ("attn_norm", "attn_sub_norm", "ffn_norm", "ffn_sub_norm")
+# bitnet.cpp's TL1/TL2 (its code generator's kernel-specific layouts) store each projection with a
+# companion "<name>.weight_scale" tensor; their type ids also moved between versions of its fork.
+_TL_HINT = ("a bitnet.cpp TL1/TL2 file (a layout tied to the kernels its code generator built for one "
+            "model and CPU); convert the model again with bitnet.cpp's setup_env.py -q i2_s (or "
+            "convert-hf-to-gguf-bitnet.py --outtype f32 then llama-quantize ... I2_S) to get an I2_S file")
 
 
 @dataclass(frozen=True)
@@ -66,12 +75,12 @@ class LayerWeights:
     wk: TernaryMatrix
     wv: TernaryMatrix
     wo: TernaryMatrix
-    attn_sub_norm: np.ndarray
+    attn_sub_norm: np.ndarray | None  # None for `llama`
     ffn_norm: np.ndarray
     w_gate: TernaryMatrix
     w_up: TernaryMatrix
     w_down: TernaryMatrix
-    ffn_sub_norm: np.ndarray  # norms float32 1-D
+    ffn_sub_norm: np.ndarray | None  # norms float32 1-D
 
 
 @dataclass
@@ -182,6 +191,7 @@ class _Reader(GGUFReader):
     def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
         file_size = len(self.data)
         tensors, names = [], set()
+        all_names = {bytes(f.parts[1]).decode("utf-8", errors="replace") for f in fields}
         for field in fields:
             _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
             name = bytes(name_data).decode("utf-8", errors="replace")
@@ -195,6 +205,8 @@ class _Reader(GGUFReader):
             if n > _MAX_ELEMENTS:
                 raise ModelError(f"tensor {name} has absurd dimensions {shape}")
             ggml_type = int(raw_dtype[0])
+            if f"{name}_scale" in all_names and ggml_type not in _FLOAT_TYPES | {formats.GGML_I2_S}:
+                raise ModelError(f"tensor {name} (ggml type {ggml_type}) is {_TL_HINT}")
             np_shape: tuple[int, ...] = tuple(reversed(shape))
             item: type = np.uint8
             if ggml_type == formats.GGML_I2_S:  # unknown to gguf: n/4 bytes of codes, then the scale slot
@@ -301,15 +313,21 @@ def _config(md: dict[str, Any], tensors: dict[str, ReaderTensor]) -> ModelConfig
         if not act:
             raise ModelError(f"unsupported {arch}.hidden_act {given!r} (supported: silu, relu2)")
     n_layers = _hparams(md, arch, "block_count", int)
-    if n_layers * (len(_PROJECTIONS) + len(_LAYER_NORMS)) > len(tensors):
+    if n_layers * (len(_PROJECTIONS) + len(_layer_norms(arch))) > len(tensors):
         raise ModelError(f"{arch}.block_count = {n_layers}, but the file holds only {len(tensors)} tensors")
     dim = _hparams(md, arch, "embedding_length", int)
     n_heads = _hparams(md, arch, "attention.head_count", int)
     n_kv = _hparams(md, arch, "attention.head_count_kv", int, n_heads)
-    if dim % n_heads or n_heads % n_kv:
-        raise ModelError(f"{n_heads} heads and {n_kv} KV heads do not divide embedding length {dim}")
-    head_dim = dim // n_heads
-    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+    if n_heads % n_kv:
+        raise ModelError(f"{n_kv} KV heads do not divide {n_heads} heads")
+    # key_length gives the head size where it is not dim / n_heads (Falcon3 writes 256 explicitly).
+    if f"{arch}.attention.key_length" not in md and dim % n_heads:
+        raise ModelError(f"{n_heads} heads do not divide embedding length {dim} and there is no "
+                         f"{arch}.attention.key_length")
+    head_dim = _hparams(md, arch, "attention.key_length", int, dim // n_heads)
+    if head_dim % 2:
+        raise ModelError(f"head size {head_dim} is odd: RoPE rotates pairs")
+    for key in ("rope.dimension_count", "attention.value_length"):
         if md.get(f"{arch}.{key}", head_dim) != head_dim:
             raise ModelError(f"{arch}.{key} = {md[f'{arch}.{key}']} differs from the head size {head_dim}")
     embd = tensors.get("token_embd.weight")
@@ -325,6 +343,10 @@ def _config(md: dict[str, Any], tensors: dict[str, ReaderTensor]) -> ModelConfig
         rms_eps=_hparams(md, arch, "attention.layer_norm_rms_epsilon", float, 1e-5),
         activation=act,
     )
+
+
+def _layer_norms(arch: str) -> tuple[str, ...]:
+    return ("attn_norm", "ffn_norm") if arch in _NO_SUB_NORMS else _LAYER_NORMS
 
 
 def _dims(t: ReaderTensor) -> list[int]:
@@ -343,7 +365,8 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], set[int] | N
             "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f)}
     norms = {"attn_norm": cfg.dim, "attn_sub_norm": q, "ffn_norm": cfg.dim, "ffn_sub_norm": cfg.ffn_dim}
     for i in range(cfg.n_layers):
-        for n, size in norms.items():
+        for n in _layer_norms(cfg.arch):
+            size = norms[n]
             want[f"blk.{i}.{n}.weight"] = ((size,), _FLOAT_TYPES)
         for n, shape in proj.items():
             want[f"blk.{i}.{n}.weight"] = (shape, _TERNARY_TYPES)
@@ -394,13 +417,13 @@ def _float_tensor(t: ReaderTensor, keep_view: bool = False) -> np.ndarray:
     return out
 
 
-def _ternary(t: ReaderTensor, scale: ReaderTensor | None) -> TernaryMatrix:
+def _ternary(t: ReaderTensor, scale: ReaderTensor | None, master_ok: bool) -> TernaryMatrix:
     rows, cols = (int(d) for d in reversed(_dims(t)))
     ggml_type = int(t.tensor_type)
     floats = _float_tensor(t, keep_view=True) if ggml_type in _FLOAT_TYPES else None
     try:
         if floats is not None:
-            m = formats.float_to_ternary(floats)
+            m = formats.float_to_ternary(floats, master_ok)
         elif ggml_type == formats.GGML_TQ2_0:
             m = formats.tq2_0_to_ternary(t.data, rows, cols)
         elif ggml_type == formats.GGML_TQ1_0:
@@ -415,6 +438,31 @@ def _ternary(t: ReaderTensor, scale: ReaderTensor | None) -> TernaryMatrix:
         s = _float_tensor(scale).reshape(-1)[0]
         m = dataclasses.replace(m, scales=(m.scales * s).astype(np.float32))
     return m
+
+
+def _neox_rows(m: TernaryMatrix, n_heads: int, head_dim: int) -> TernaryMatrix:
+    """Undo the converters' permutation of `llama` Q/K rows.
+
+    Both converters reorder each head's rows from Hugging Face's rotate-halves order to the
+    adjacent pairs llama.cpp's `llama` RoPE rotates. Putting them back lets the one NEOX RoPE of
+    the transformer run: q.k is the same sum whichever order both operands share.
+    """
+    half = head_dim // 2
+    j, i = np.divmod(np.arange(head_dim), half)  # HF row j*half + i came from GGUF row 2i + j
+    order = (np.arange(n_heads)[:, None] * head_dim + (2 * i + j)[None, :]).reshape(-1)
+    blocks = m.blocks()
+    return dataclasses.replace(m, codes=np.ascontiguousarray(blocks[order]), scales=m.scales[order].copy())
+
+
+def _check_rope_freqs(t: ReaderTensor | None, cfg: ModelConfig) -> None:
+    """llama.cpp divides each RoPE frequency by rope_freqs (Llama 3.1 scaling); the transformer has
+    no such factors, so only a file whose factors are all 1 (or absent) runs as written."""
+    if t is None:
+        return
+    f = _float_tensor(t).reshape(-1)
+    if f.size != cfg.head_dim // 2 or not np.all(f == 1):
+        raise ModelError("tensor rope_freqs.weight holds RoPE frequency factors other than 1 "
+                         "(Llama 3.1-style RoPE scaling), which this engine does not implement")
 
 
 def _release_pages(reader: _Reader, t: ReaderTensor) -> None:
@@ -468,10 +516,17 @@ def _build(path: str, reader: _Reader, progress: Callable[[int, int], None] | No
                                  f"has shape {_dims(t)} and type {type_name(int(t.tensor_type))}")
             scales[name] = t
 
+    llama = cfg.arch == "llama"
+    if llama:
+        _check_rope_freqs(tensors.get("rope_freqs.weight"), cfg)
+
     def convert(name: str) -> TernaryMatrix:
-        m = _ternary(tensors[name], scales.get(name))
+        # A float `llama` file may be an ordinary full-precision Llama: never ternarize it silently.
+        m = _ternary(tensors[name], scales.get(name), master_ok=not llama)
         if not np.may_share_memory(m.codes, tensors[name].data):  # a copy: the file pages are spent
             _release_pages(reader, tensors[name])
+        if llama and name.endswith(("attn_q.weight", "attn_k.weight")):
+            m = _neox_rows(m, m.rows // cfg.head_dim, cfg.head_dim)
         return m
 
     # Conversion is NumPy work that releases the GIL: one thread per core converts the
@@ -486,8 +541,11 @@ def _build(path: str, reader: _Reader, progress: Callable[[int, int], None] | No
             token_embd, output = embd.result(), None if out is None else out.result()
             layers = []
             for i, futures in enumerate(pending):
-                norms = {n: _float_tensor(tensors[f"blk.{i}.{n}.weight"]) for n in _LAYER_NORMS}
-                layers.append(LayerWeights(**norms, **{field: f.result() for field, f in futures.items()}))
+                norms = {n: tensors.get(f"blk.{i}.{n}.weight") for n in _LAYER_NORMS}
+                if llama:
+                    norms["attn_sub_norm"] = norms["ffn_sub_norm"] = None
+                layers.append(LayerWeights(**{n: None if t is None else _float_tensor(t) for n, t in norms.items()},
+                                           **{field: f.result() for field, f in futures.items()}))
                 if progress is not None:
                     progress(i + 1, cfg.n_layers)
         except BaseException:

@@ -53,6 +53,13 @@ class SyntheticSpec:
     hidden_act: str | None = None
     float_master: bool = False  # f32/f16/bf16 only: non-ternary master weights (absmean path)
     seed: int = 0
+    head_dim: int | None = None  # written as attention.key_length / value_length (Falcon3); default dim / n_heads
+    tokenizer_pre: str | None = ""  # "" keeps the tokenizer's own, None drops the key (as 2B-4T has none)
+    rope_freqs: bool = False  # a rope_freqs tensor of ones (the older bitnet-25 upload of 2B-4T has one)
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
 
 
 PRESETS: dict[str, SyntheticSpec] = {
@@ -74,8 +81,8 @@ def _check(spec: SyntheticSpec) -> None:
         raise ValueError("float_master needs weight_type f32, f16 or bf16")
     if spec.float_master and spec.scales:
         raise ValueError("float_master weights have no separate scale: do not combine with scales")
-    if spec.dim % spec.n_heads or spec.n_heads % spec.n_kv_heads:
-        raise ValueError("n_heads must divide dim and n_kv_heads must divide n_heads")
+    if (spec.head_dim is None and spec.dim % spec.n_heads) or spec.n_heads % spec.n_kv_heads:
+        raise ValueError("n_heads must divide dim (or head_dim be given) and n_kv_heads must divide n_heads")
     if spec.dim % 256 or spec.ffn_dim % 256:
         # Every ternary format packs rows in 256-value blocks (I2_S in 128, loaded as 256).
         raise ValueError(f"dim ({spec.dim}) and ffn_dim ({spec.ffn_dim}) must be multiples of 256")
@@ -83,15 +90,18 @@ def _check(spec: SyntheticSpec) -> None:
 
 def _plan(spec: SyntheticSpec) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, kind, numpy shape) of every tensor, in file order; kind is embd | norm | proj | scale."""
-    kv = spec.dim // spec.n_heads * spec.n_kv_heads
+    q, kv = spec.head_size * spec.n_heads, spec.head_size * spec.n_kv_heads
+    sub_norms = spec.arch != "llama"  # bitnet.cpp's `llama` files (Llama3-8B-1.58, Falcon3) have none
     plan: list[tuple[str, str, tuple[int, ...]]] = [
         ("token_embd.weight", "embd", (spec.vocab_size, spec.dim)),
         ("output_norm.weight", "norm", (spec.dim,)),
     ]
+    if spec.rope_freqs:
+        plan.append(("rope_freqs.weight", "ones", (spec.head_size // 2,)))
     if not spec.tied:
         plan.append(("output.weight", "embd", (spec.vocab_size, spec.dim)))
-    proj = {"attn_q": (spec.dim, spec.dim), "attn_k": (kv, spec.dim), "attn_v": (kv, spec.dim),
-            "attn_output": (spec.dim, spec.dim), "ffn_gate": (spec.ffn_dim, spec.dim),
+    proj = {"attn_q": (q, spec.dim), "attn_k": (kv, spec.dim), "attn_v": (kv, spec.dim),
+            "attn_output": (spec.dim, q), "ffn_gate": (spec.ffn_dim, spec.dim),
             "ffn_up": (spec.ffn_dim, spec.dim), "ffn_down": (spec.dim, spec.ffn_dim)}
     for i in range(spec.n_layers):
         p = f"blk.{i}."
@@ -100,13 +110,15 @@ def _plan(spec: SyntheticSpec) -> list[tuple[str, str, tuple[int, ...]]]:
             plan.append((p + n + ".weight", "proj", proj[n]))
             if spec.scales:
                 plan.append((p + n + ".scale", "scale", (1,)))
-        plan.append((p + "attn_sub_norm.weight", "norm", (spec.dim,)))
+        if sub_norms:
+            plan.append((p + "attn_sub_norm.weight", "norm", (q,)))
         plan.append((p + "ffn_norm.weight", "norm", (spec.dim,)))
         for n in ("ffn_gate", "ffn_up", "ffn_down"):
             plan.append((p + n + ".weight", "proj", proj[n]))
             if spec.scales:
                 plan.append((p + n + ".scale", "scale", (1,)))
-        plan.append((p + "ffn_sub_norm.weight", "norm", (spec.ffn_dim,)))
+        if sub_norms:
+            plan.append((p + "ffn_sub_norm.weight", "norm", (spec.ffn_dim,)))
     return plan
 
 
@@ -207,11 +219,22 @@ def synthetic_weights(spec: SyntheticSpec) -> dict[str, np.ndarray]:
 
 # -- writing --------------------------------------------------------------------------------------
 
+def _llama_rows(spec: SyntheticSpec, name: str, w: np.ndarray) -> np.ndarray:
+    """Q/K rows of a `llama` file in the converters' order: each head's rotate-halves rows
+    interleaved into pairs (LlamaModel.permute), which llama.cpp's `llama` RoPE expects."""
+    if spec.arch != "llama" or not name.endswith(("attn_q.weight", "attn_k.weight")):
+        return w
+    hd = spec.head_size
+    heads = w.shape[0] // hd
+    return w.reshape(heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def _encode_projection(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if spec.float_master:
-        w = _master(spec, name, shape)
+        w = _llama_rows(spec, name, _master(spec, name, shape))
         return formats.float32_to_bf16(w) if spec.weight_type == "bf16" else w.astype(_float_dtype(spec))
     t, s = _projection(spec, name, shape)
+    t = _llama_rows(spec, name, t)
     if spec.scales:
         s = 1.0  # the scale lives in the <name>.scale tensor instead
     wt = spec.weight_type
@@ -232,7 +255,7 @@ def _float_dtype(spec: SyntheticSpec) -> type:
 def _tensor_bytes(spec: SyntheticSpec, kind: str, shape: tuple[int, ...]) -> tuple[int, int]:
     """(ggml type, data size) of a tensor, known before any data is generated."""
     n = int(np.prod(shape))
-    if kind in ("norm", "scale"):
+    if kind in ("norm", "scale", "ones"):
         ggml_type = int(GGMLQuantizationType.F32)
     else:
         ggml_type = _GGML_TYPE[spec.embd_type if kind == "embd" else spec.weight_type]
@@ -293,15 +316,21 @@ def write_model(path: str | Path, spec: SyntheticSpec) -> Path:
     for key, value in {
         "block_count": spec.n_layers, "context_length": spec.n_ctx, "embedding_length": spec.dim,
         "feed_forward_length": spec.ffn_dim, "attention.head_count": spec.n_heads,
-        "attention.head_count_kv": spec.n_kv_heads, "rope.dimension_count": spec.dim // spec.n_heads,
+        "attention.head_count_kv": spec.n_kv_heads, "rope.dimension_count": spec.head_size,
         "vocab_size": spec.vocab_size,
+        **({"attention.key_length": spec.head_dim, "attention.value_length": spec.head_dim} if spec.head_dim else {}),
     }.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", spec.rope_theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.rms_eps)
     if spec.hidden_act is not None:
         w.add_string(f"{arch}.hidden_act", spec.hidden_act)
-    for key, value in synthetic_tokenizer_metadata(spec.tokenizer, spec.vocab_size).items():
+    tok = dict(synthetic_tokenizer_metadata(spec.tokenizer, spec.vocab_size))
+    if spec.tokenizer_pre is None:
+        tok.pop("tokenizer.ggml.pre", None)
+    elif spec.tokenizer_pre:
+        tok["tokenizer.ggml.pre"] = spec.tokenizer_pre
+    for key, value in tok.items():
         _add_kv(w, key, value)
 
     plan = _plan(spec)
@@ -318,6 +347,8 @@ def write_model(path: str | Path, spec: SyntheticSpec) -> Path:
                 w.write_tensor_pieces(_embd_chunks(spec, name, shape))
             elif kind == "norm":
                 w.write_tensor_pieces(iter([_norm(spec, name, shape)]))
+            elif kind == "ones":
+                w.write_tensor_pieces(iter([np.ones(shape, np.float32)]))
             elif kind == "scale":
                 weight = name[:-len(".scale")] + ".weight"
                 s = _scale(spec, weight, shapes[weight][1])
@@ -340,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--weight-type", choices=WEIGHT_TYPES)
-    ap.add_argument("--arch", choices=("bitnet", "bitnet-b1.58", "bitnet-25"))
+    ap.add_argument("--arch", choices=("bitnet", "bitnet-b1.58", "bitnet-25", "llama"))
     ap.add_argument("--embd-type", choices=EMBD_TYPES)
     ap.add_argument("--tokenizer", choices=("gpt2", "llama"))
     ap.add_argument("--layers", type=int, help="override the preset's layer count")
