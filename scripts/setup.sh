@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ./core -e ./plugins/cpu -e "./plugins/opencl[pocl,intel]"
+.venv/bin/python -m pip install -q -e "./core[server]" -e ./plugins/cpu -e "./plugins/opencl[pocl,intel]"
 .venv/bin/python -m pip install -q -e ./plugins/cuda
 if [ "${1:-}" = "--dev" ]; then
   .venv/bin/python -m pip install -q -r requirements-dev.txt
+  # Ray Serve for tests/test_server_ray.py (about 1 minute and 0.5 GB on a fresh machine).
+  .venv/bin/python -m pip install -q -e "./core[ray]"
 fi

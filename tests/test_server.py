@@ -37,11 +37,12 @@ def free_port() -> int:
 class Server:
     """`bitnet-select serve` in a subprocess; its log goes to a file (a pipe could fill and block it)."""
 
-    def __init__(self, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log: Path, *args: str, env: dict[str, str] | None = None,
+                 command: tuple[str, ...] = ("-m", "bitnet", "serve")) -> None:
         self.port, self.log = free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "bitnet", "serve", "--port", str(self.port), *args],
+            self.proc = subprocess.Popen([sys.executable, *command, "--port", str(self.port), *args],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                          cwd=ROOT)
 
@@ -63,11 +64,11 @@ class Server:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def stop(self) -> int:
+    def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)

@@ -56,6 +56,8 @@ class Settings:
     max_body_bytes: int = 1 << 20
     shutdown_timeout: float = 10.0
     debug: bool = False
+    # Ray Serve: finish loading before the app's startup returns, so a replica takes traffic only when ready.
+    load_before_start: bool = False
 
 
 class OpenAIError(Exception):
@@ -191,6 +193,11 @@ def create_app(settings: Settings, on_fatal: Callable[[BaseException], None] | N
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         host.start()
+        if settings.load_before_start:
+            assert host._thread is not None
+            await asyncio.to_thread(host._thread.join)
+            if host.error is not None:
+                raise host.error
         yield
         try:
             await asyncio.to_thread(host.close)
