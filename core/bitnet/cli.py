@@ -439,3 +439,41 @@ def serve(ctx: click.Context, model: str | None, host: str, port: int, parallel:
         api_key=api_key or None, model_alias=model_alias, chat_template=chat_template, act_quant=act_quant,
         shutdown_timeout=shutdown_timeout, debug=ctx.obj["debug"])
     server_app.run(settings, host, port)
+
+
+# -- models from the Hugging Face Hub (the logic lives in bitnet.modelfile.hub) -------------------------
+
+@main.command()
+@click.argument("repo")
+@click.option("--file", "filename", default=None, metavar="NAME",
+              help="The GGUF to fetch. Default: the repository's only .gguf file (with several: asks, or exit 2).")
+@click.option("--revision", default=None, help="Branch, tag or commit. Default: main.")
+def pull(repo: str, filename: str | None, revision: str | None) -> None:
+    """Download a GGUF from the Hugging Face Hub into its cache and print the local path.
+
+    Uses huggingface_hub: HF_TOKEN, HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE=1 apply. `-m hf://REPO[/FILE]`
+    does the same wherever a model path is taken.
+    """
+    from bitnet.modelfile import hub
+
+    click.echo(hub.pull(repo.removeprefix(hub.SCHEME), filename, revision))
+
+
+@main.command("models")
+def list_models() -> None:
+    """List the GGUF files in the Hugging Face cache: repo, file, revision, size."""
+    from bitnet.modelfile import hub
+
+    for m in hub.cached():
+        refs = f" ({','.join(m.refs)})" if m.refs else ""
+        click.echo(f"{m.repo}  {m.file}  {m.revision[:12]}{refs}  {m.size / 2**20:.1f} MiB")
+
+
+@main.command("rm")
+@click.argument("target", metavar="REPO[/FILE]")
+def remove_model(target: str) -> None:
+    """Remove a repository (every cached revision) or one of its files from the Hugging Face cache."""
+    from bitnet.modelfile import hub
+
+    n, freed = hub.remove(target)
+    click.echo(f"removed {n} file{'s' if n != 1 else ''} of {target}, freed {freed}")

@@ -72,12 +72,14 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     built-in (bitnet, llama3, chatml, falcon3, zephyr) or a Jinja file, in place of the model's own.
     n_seqs is how many sequences can run at once (generate_batch, Scheduler), each with n_ctx positions.
     """
+    from bitnet.modelfile.hub import resolve_model_path
     from bitnet.modelfile.model import load_model
     from bitnet.plugins.selection import select
     from bitnet.runtime.transformer import Transformer
     from bitnet.text import chat_template as templates
     from bitnet.text.tokenizer import Tokenizer
 
+    path = resolve_model_path(path)  # hf://OWNER/NAME[/FILE]: download (or find in the HF cache) first
     t0 = time.perf_counter()
     if act_quant not in ACT_QUANT_MODES:
         raise UsageError(f"unknown activation quantization {act_quant!r}; expected one of "
