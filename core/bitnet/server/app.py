@@ -325,11 +325,12 @@ async def _generate(host: ModelHost, request: Request, body: ChatCompletionReque
                     ids: list[int], max_tokens: int | None, shaper: Shaper) -> Response:
     engine, scheduler = host.engine, host.scheduler
     assert engine is not None and scheduler is not None
+    wanted = f"max_tokens {max_tokens}" if max_tokens is not None else "at least one token"
     if max_tokens is None:  # as OpenAI: as many as the context leaves
-        max_tokens = max(engine.n_ctx - len(ids), 0)
-    if len(ids) + max_tokens > engine.n_ctx:
-        raise OpenAIError(400, f"the prompt's {len(ids)} tokens plus max_tokens {max_tokens} exceed the context "
-                          f"of {engine.n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        max_tokens = engine.n_ctx - len(ids)
+    if max_tokens < 1 or len(ids) + max_tokens > engine.n_ctx:
+        raise OpenAIError(400, f"the prompt's {len(ids)} tokens plus {wanted} exceed the context of {engine.n_ctx} "
+                          "tokens", param="max_tokens", code="context_length_exceeded")
     req = scheduler.submit(ids, max_tokens=max_tokens, logprobs=shaper.logprobs, loop=asyncio.get_running_loop(),
                            **body.sampling())
     if body.stream:

@@ -20,7 +20,7 @@ class _Body(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = 1.0  # OpenAI's default
     top_p: float = 1.0
     top_k: int = 0  # extensions of llama.cpp's server: top_k, min_p, repeat_penalty
@@ -71,7 +71,7 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(_Body):
     messages: list[Message]
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
