@@ -362,13 +362,13 @@ async def _steps(host: ModelHost, req: SeqRequest, shaper: Shaper) -> AsyncItera
     try:
         async for step in req:
             now = time.perf_counter()
-            if last is None and req.first_token is not None:
-                m.ttft.observe(req.first_token - req.submitted)
-            elif last is not None and step.token >= 0:
+            if last is not None and step.token >= 0:
                 m.token_latency.observe(now - last)
             last = now
             yield step
     finally:
+        if req.first_token is not None:  # the scheduler's times (a first token may be the end token: no Step)
+            m.ttft.observe(req.first_token - req.submitted)
         m.prompt_tokens.inc(req.prompt_tokens)
         m.generated_tokens.inc(shaper.tokens)
 
