@@ -41,6 +41,7 @@ class FakeHub(http.server.ThreadingHTTPServer):
         self.repos: dict[str, dict[str, bytes]] = {}
         self.drop_once: set[str] = set()
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.auth: set[str | None] = set()  # every Authorization header seen
 
     @property
     def endpoint(self) -> str:
@@ -78,6 +79,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self, body: bool) -> None:
         self.server.log.append((self.command, self.path, self.headers.get("Range")))
+        self.server.auth.add(self.headers.get("Authorization"))
         route = self._route()
         if route is None:
             return self._error("RepoNotFound")
@@ -160,8 +162,9 @@ def snapshot(env: dict[str, str], repo: str) -> Path:
 
 
 def test_pull_downloads_into_the_hf_cache_and_run_takes_hf_uri(server, env, gguf):
-    r = run_cli("pull", "test/tiny", env=env)
+    r = run_cli("pull", "test/tiny", env=env | {"HF_TOKEN": "hf_loopbacktoken"})
     assert r.returncode == 0, r.stderr
+    assert server.auth == {"Bearer hf_loopbacktoken"}  # HF_TOKEN reaches every request
     path = Path(r.stdout.strip())
     assert path == snapshot(env, "test/tiny") / "tiny.gguf" and path.read_bytes() == gguf
     assert ("GET", "/test/tiny/resolve/main/README.md", None) not in server.log  # only the GGUF is fetched
@@ -202,6 +205,10 @@ def test_an_unreachable_endpoint_exits_2_naming_it(env):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    pulled = run_cli("pull", "test/tiny", env=env).stdout.strip()
+    r = run_cli("pull", "test/tiny", env=env | {"HF_ENDPOINT": closed})  # cached: the network is not needed
+    assert r.returncode == 0 and r.stdout.strip() == pulled, r.stderr
+    env = env | {"HF_HOME": env["HF_HOME"] + "-empty"}
     one_error_line(run_cli("pull", "test/tiny", env=env | {"HF_ENDPOINT": closed}), 2, closed)
     # Fetching a named file, huggingface_hub retries for about 20 s first and says so on stderr: those
     # notices, then the one error line.
@@ -282,7 +289,11 @@ def test_models_lists_the_cache_and_rm_removes_from_it(server, env, gguf):
         ["test/multi", "sub/b.gguf"], ["test/tiny", "tiny.gguf"]]
     assert run_cli("rm", "test/multi", env=env).returncode == 0
     assert [row.split()[0] for row in run_cli("models", env=env).stdout.splitlines()] == ["test/tiny"]
+    # test/tiny has the same commit hash and blob as test/multi: removing one repo must leave the other whole.
+    assert Path(run_cli("pull", "test/tiny", env=env | {"HF_HUB_OFFLINE": "1"}).stdout.strip()).read_bytes() == gguf
+    assert not Path(env["HF_HOME"], "hub", "models--test--multi").exists()
     one_error_line(run_cli("rm", "test/multi", env=env), 2, "not in the cache")
+    one_error_line(run_cli("rm", "test/tiny@main", env=env), 2, "every revision")
     one_error_line(run_cli("rm", "test/tiny/other.gguf", env=env), 2, "not in the cache")
 
 

@@ -10,6 +10,7 @@ network or offline mode; 4 for a download that is not a valid GGUF (removed from
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,33 +82,33 @@ def cached(cache_dir: str | None = None) -> list[CachedModel]:
 
 
 def remove(target: str) -> tuple[int, str]:
-    """Remove REPO (every cached revision, whole) or REPO/FILE (that file in every revision) from the HF cache.
+    """Remove REPO (its whole cache folder) or REPO/FILE (that file in every revision) from the HF cache.
 
-    Returns (files removed, the space freed as huggingface_hub writes it).
+    Returns (files removed, the space freed as huggingface_hub writes it). Files are selected per repo and
+    removed with `delete_files`, never `delete_revisions`: that one matches commit hashes in any repo, and a
+    duplicated repo shares its source's hashes.
     """
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
-    repo, file, revision = parse(target)
+    repo, file, revision = parse(SCHEME + target.removeprefix(SCHEME))
+    if revision is not None:
+        raise UsageError(f"{target}: rm takes REPO[/FILE] and removes every revision")
     try:
         info = scan_cache_dir()
     except CacheNotFound:
         info = None
     repos = [r for r in info.repos if r.repo_id == repo and r.repo_type == "model"] if info else []
-    revisions = [rev for r in repos for rev in r.revisions
-                 if revision is None or revision == rev.commit_hash or revision in rev.refs]
-    if file is None:
-        n = sum(len(rev.files) for rev in revisions)
-        strategy = info.delete_revisions(*(rev.commit_hash for rev in revisions)) if revisions else None
-    else:
-        files = [f for rev in revisions for f in rev.files
-                 if Path(f.file_path).relative_to(rev.snapshot_path).as_posix() == file]
-        n = len(files)
-        strategy = info.delete_files(*files) if files else None
-    if strategy is None:
+    files = [f for r in repos for rev in r.revisions for f in rev.files
+             if file is None or Path(f.file_path).relative_to(rev.snapshot_path).as_posix() == file]
+    if info is None or not repos or file is not None and not files:
         raise UsageError(f"{target.removeprefix(SCHEME)} is not in the cache (bitnet-select models lists it)")
-    strategy.execute()
-    return n, strategy.expected_freed_size_str
+    strategy = info.delete_files(*files)
+    strategy.execute()  # unlinks each blob no other cached file uses
+    if file is None:
+        for r in repos:  # what is left: refs, empty snapshots, .no_exist markers
+            shutil.rmtree(r.repo_path)
+    return len(files), strategy.expected_freed_size_str
 
 
 # -- choosing the file ----------------------------------------------------------------------------
