@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from bitnet.plugins.registry import Registry
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, pack_values
+from bitnet.plugins.registry import Registry
 
 # [rows, cols] of the 2B-4T projections: q/o, k/v (5 KV heads x 128), gate/up, down.
 SHAPES = ((2560, 2560), (640, 2560), (6912, 2560), (2560, 6912))
