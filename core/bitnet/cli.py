@@ -137,19 +137,39 @@ def plugins(ctx: click.Context, as_json: bool) -> None:
         click.echo(line + (f" error: {p.error}" if p.error else ""))
 
 
-def _extra_sampling_options(f: Any) -> Any:
-    """Sampling options beyond temperature/top-k/top-p (bitnet.runtime.sampling has their semantics)."""
-    for option in reversed([
-        click.option("--min-p", type=float, default=0.0, show_default=True,
-                     help="Drop tokens less likely than min-p times the most likely (0 disables)."),
-        click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
-                     help="llama.cpp's repetition penalty over the last 64 tokens (1 disables)."),
-        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
-        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
-        click.option("--ignore-eos", is_flag=True, help="Never stop at an end-of-generation token."),
-    ]):
-        f = option(f)
-    return f
+def _options(*options: Any) -> Any:
+    """One decorator applying click options in the order written (commands share these sets)."""
+    def apply(f: Any) -> Any:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply
+
+
+_model_option = click.option(
+    "--model", "-m", default=None, metavar="PATH|hf://REPO[/FILE]",
+    help="GGUF model file or Hugging Face repo. Default: a small built-in synthetic model (random weights, gibberish).")
+_act_quant_option = click.option(
+    "--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True,
+    help="Activation quantization: BitNet per-row int8, llama.cpp's per-256 Q8_K, or float.")
+_context_options = _options(
+    click.option("--n-ctx", type=click.IntRange(min=1), default=None,
+                 help="Context length (default: the model's, at most 4096)."),
+    _act_quant_option)
+# bitnet.runtime.sampling has their semantics.
+_sampling_options = _options(
+    click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy."),
+    click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables."),
+    click.option("--top-p", type=float, default=1.0, show_default=True),
+    click.option("--min-p", type=float, default=0.0, show_default=True,
+                 help="Drop tokens less likely than min-p times the most likely (0 disables)."),
+    click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
+                 help="llama.cpp's repetition penalty over the last 64 tokens (1 disables)."),
+    click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+    click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+    click.option("--ignore-eos", is_flag=True, help="Never stop at an end-of-generation token."),
+    click.option("--seed", type=int, default=None, help="Sampling seed: the same seed gives the same text."))
 
 
 def _extra_sampling(engine: Any, min_p: float, repeat_penalty: float, presence_penalty: float,
@@ -160,22 +180,15 @@ def _extra_sampling(engine: Any, min_p: float, repeat_penalty: float, presence_p
 
 
 @main.command()
-@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file. Default: a small built-in synthetic model (random weights, gibberish text).")
+@_model_option
 @click.option("--system", "system", default=None, help="System prompt.")
 @click.option("--chat-template", default=None, metavar="NAME|FILE",
               help="bitnet, llama3, chatml, falcon3, zephyr, or a Jinja file. Default: the model's own, else one "
                    "chosen by its architecture and vocabulary.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=512, show_default=True,
               help="Longest reply, in tokens.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@_extra_sampling_options
-@click.option("--seed", type=int, default=None, help="Sampling seed.")
-@click.option("--n-ctx", type=click.IntRange(min=1), default=None,
-              help="Context length (default: the model's, at most 4096).")
-@click.option("--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True)
+@_sampling_options
+@_context_options
 @click.option("--verbose", "-v", is_flag=True, help="After each reply: tokens reused from the cache, prefill, speed.")
 @click.pass_context
 def chat(ctx: click.Context, model: str | None, system: str | None, chat_template: str | None, max_tokens: int,
@@ -206,19 +219,11 @@ def chat(ctx: click.Context, model: str | None, system: str | None, chat_templat
 
 
 @main.command()
-@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file. Default: a small built-in synthetic model (random weights, gibberish text).")
+@_model_option
 @click.option("--prompt", "-p", required=True, help="Prompt text.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=0), default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@_extra_sampling_options
-@click.option("--seed", type=int, default=None, help="Sampling seed: the same seed gives the same text.")
-@click.option("--n-ctx", type=click.IntRange(min=1), default=None,
-              help="Context length (default: the model's, at most 4096).")
-@click.option("--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True,
-              help="Activation quantization: BitNet per-row int8, llama.cpp's per-256 Q8_K, or float.")
+@_sampling_options
+@_context_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--receipt", type=click.Path(dir_okay=False), default=None,
               help="Write a JSON receipt of the run: the kernels dispatched, the device, timings, versions. "
@@ -346,8 +351,7 @@ def _names(values: tuple[str, ...] | str | None) -> list[str]:
 @click.option("--device", "devices", metavar="A,B,...", default=None,
               help="Backends to measure, each of them (not the first available). "
                    "Default: the global --device, else every available backend.")
-@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file. Default: the small built-in synthetic model.")
+@_model_option
 @click.option("--prompt", "prompts", multiple=True,
               help="Replace the fixed prompt set (repeatable); keep the default to compare runs over time.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=16, show_default=True)
@@ -358,7 +362,7 @@ def _names(values: tuple[str, ...] | str | None) -> list[str]:
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed, the same for every run.")
-@click.option("--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True)
+@_act_quant_option
 @click.option("--determinism", is_flag=True, help="Gate: every run of a prompt gives the same text.")
 @click.option("--min-decode-tps", type=float, default=None, help="Gate: median decode tokens/s per backend.")
 @click.option("--max-wall-ms", type=float, default=None, help="Gate: p95 wall time of one run, per backend.")
@@ -402,8 +406,7 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
 # -- serve (bitnet.server; the [server] extra) ---------------------------------------------------------
 
 @main.command()
-@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file. Default: a small built-in synthetic model (random weights, gibberish text).")
+@_model_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Loopback unless you say otherwise (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
@@ -418,7 +421,7 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
 @click.option("--model-alias", default=None, help="The model name clients use. Default: the file's name.")
 @click.option("--chat-template", default=None, metavar="NAME|FILE",
               help="bitnet, llama3, chatml, falcon3, zephyr, or a Jinja file. Default: the model's own.")
-@click.option("--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True)
+@_act_quant_option
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="On SIGTERM, seconds in-flight requests may take to finish before they are cancelled.")
 @click.pass_context
