@@ -137,6 +137,29 @@ def test_bitlinear_matches_reference(cpu: CpuProvider, mode: str, block_scales: 
     assert_same(cpu.bitlinear(x, cpu.upload_ternary(w), mode), REF.bitlinear(x, w, mode), mode)
 
 
+@pytest.mark.parametrize("mode", ["row", "block256", "none"])
+@pytest.mark.parametrize("rows, cols, n", [(3, 100, 2), (40, 3200, 3), (7, 8640, 1)])  # 1bitLLM 3B widths
+def test_any_width_is_zero_extended(cpu: CpuProvider, mode: str, rows: int, cols: int, n: int) -> None:
+    """Weights of a width that is not whole 256-blocks are held zero-extended; bitlinear zero-extends
+    its input rows the same way, so the result is the unpadded product (integer paths bit-exact)."""
+    rng = np.random.default_rng(cols)
+    t = rng.integers(-1, 2, size=(rows, cols)).astype(np.int8)
+    w = from_values(t, np.float32(0.75))
+    assert w.cols % BLOCK == 0 and w.cols > cols
+    x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
+    got = cpu.bitlinear(x, cpu.upload_ternary(w), mode)
+    assert_same(got, REF.bitlinear(x, w, mode), mode)
+    if mode == "row":  # the unpadded arithmetic, written out: same int8 values, same integer sums
+        q, s = ref_mod.quantize_rows(x)
+        want = (q.astype(np.int64) @ t.T.astype(np.int64)).astype(np.float64) * 0.75 / s.astype(np.float64)[:, None]
+        np.testing.assert_array_equal(got, want.astype(np.float32))
+    elif mode == "none":
+        want = x.astype(np.float64) @ (t.astype(np.float64) * 0.75).T
+        assert rel_err(got, want.astype(np.float32)) < FLOAT_TOL
+    with pytest.raises(ValueError, match="exceeds"):
+        cpu.bitlinear(np.zeros((1, w.cols + 1), np.float32), cpu.upload_ternary(w), mode)
+
+
 def file_layout(rng: np.random.Generator, w: TernaryMatrix, layout: str) -> TernaryMatrix:
     """w's codes as a model file holds them: TQ2_0 blocks of 64 code bytes then 2 scale bytes (random
     here, so a kernel that ignored the block stride would read them as codes), or I2_S bytes with

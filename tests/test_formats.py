@@ -99,8 +99,23 @@ def test_i2s_nan_scale_and_bad_size() -> None:
         i2s_to_ternary(raw, 1, 256)
     with pytest.raises(ModelError, match="bytes"):
         i2s_to_ternary(raw[:-1], 1, 256)
-    with pytest.raises(ModelError, match="multiple of 256"):
-        i2s_to_ternary(ternary_to_i2s(np.zeros((1, 128), dtype=np.int8), 1.0), 1, 128)
+    with pytest.raises(ModelError, match="multiple of 128 values"):
+        i2s_to_ternary(np.zeros(100 // 4 + 32, np.uint8), 1, 100)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 128), (3, 3200), (2, 8640), (5, 100 * 32)])
+def test_i2s_rows_of_any_width(rows: int, cols: int) -> None:
+    """1bitLLM 3B's widths: I2_S's 128-value blocks run over the flat tensor, across rows; the
+    matrix is zero-extended to whole 256-blocks, and the padding holds zeros."""
+    t = np.random.default_rng(cols).integers(-1, 2, size=(rows, cols), dtype=np.int8)
+    m = i2s_to_ternary(ternary_to_i2s(t, 0.5), rows, cols)
+    assert m.cols == -(-cols // 256) * 256 and m.rows == rows
+    assert np.array_equal(m.values()[:, :cols], t) and not m.values()[:, cols:].any()
+    assert np.all(m.scales == 0.5)
+    bad = ternary_to_i2s(t, 0.5)
+    bad[7] |= 0b11  # one invalid code
+    with pytest.raises(ModelError, match="0b11"):
+        i2s_to_ternary(bad, rows, cols)
 
 
 # -- TQ2_0 / TQ1_0 -------------------------------------------------------------------------------
@@ -218,8 +233,10 @@ def test_all_zero_and_bad_float_weights() -> None:
         w[1, 7] = bad
         with pytest.raises(ModelError, match="NaN or infinite"):
             float_to_ternary(w)
-    with pytest.raises(ModelError, match="multiple of 256"):
-        float_to_ternary(np.ones((2, 100), dtype=np.float32))
+    odd = float_to_ternary(np.full((2, 100), -0.25, dtype=np.float32))  # any width, zero-extended
+    assert odd.cols == 256 and np.all(odd.values()[:, :100] == -1) and not odd.values()[:, 100:].any()
+    with pytest.raises(ModelError, match="not ternary"):
+        float_to_ternary(np.linspace(-1, 1, 512, dtype=np.float32).reshape(2, 256), master_ok=False)
 
 
 def test_bf16_conversion_is_exact_for_representable_values() -> None:

@@ -91,7 +91,7 @@ def assert_close(got: np.ndarray, want: np.ndarray, rtol: float = 1e-4) -> None:
 
 def ternary(rng: np.random.Generator, rows: int, cols: int):
     t = rng.integers(-1, 2, size=(rows, cols)).astype(np.int8)
-    return from_values(t, rng.uniform(0.5, 2.0, (rows, cols // 256)).astype(np.float32))
+    return from_values(t, rng.uniform(0.5, 2.0, (rows, -(-cols // 256))).astype(np.float32))
 
 
 # -- ternary matmul ----------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def test_bitlinear_matches_reference(ocl, ref, act_quant, n):
     assert_close(got, ref.bitlinear(x, w, act_quant))
 
 
-@pytest.mark.parametrize("rows, cols", [(2560, 2560), (96, 6912)])
+@pytest.mark.parametrize("rows, cols", [(2560, 2560), (96, 6912), (100, 3200), (64, 8640)])  # + 1bitLLM 3B
 def test_bitlinear_model_shapes(ocl, ref, rows, cols):
     rng = np.random.default_rng(rows)
     w, x = ternary(rng, rows, cols), rng.standard_normal((1, cols)).astype(np.float32)
@@ -117,14 +117,15 @@ def test_bitlinear_model_shapes(ocl, ref, rows, cols):
 
 
 @pytest.mark.parametrize("act_quant", ["row", "block256"])
-def test_integer_dot_is_exact(ocl, act_quant):
+@pytest.mark.parametrize("cols", [1024, 1000])  # 1000: not whole 256-blocks, zero-extended on the device
+def test_integer_dot_is_exact(ocl, act_quant, cols):
     """With max|x| = 127 in every block and unit weight scales, both quantizers reduce to q = rint(x)
     (ties to even) and d = +-1, so the output is the integer dot itself, bit for bit."""
     rng = np.random.default_rng(7)
-    n, rows, cols = TILE_N + 1, 67, 1024
+    n, rows = TILE_N + 1, 67
     x = rng.integers(-126, 127, size=(n, cols)).astype(np.float32)
     x += rng.choice(np.float32([0, 0.5]), size=x.shape)  # halves: round half to even decides
-    x[:, ::256] = np.float32(127) * rng.choice([-1, 1], size=(n, cols // 256))
+    x[:, ::256] = np.float32(127) * rng.choice([-1, 1], size=(n, -(-cols // 256)))
     t = rng.integers(-1, 2, size=(rows, cols)).astype(np.int8)
     want = (np.rint(x).astype(np.int64) @ t.T.astype(np.int64)).astype(np.float32)
     got = ocl.to_host(ocl.bitlinear(ocl.upload_float(x), ocl.upload_ternary(from_values(t, 1.0)), act_quant))
@@ -219,7 +220,8 @@ def test_argmax_first_on_ties(ocl, ref):
 
 
 # -- attention -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("head_dim, prompt", [(16, 21), (128, 150)])  # several chunks of head_dim positions
+# several chunks of head_dim positions; 100 is 1bitLLM 3B's head size, not a power of two
+@pytest.mark.parametrize("head_dim, prompt", [(16, 21), (128, 150), (100, 40)])
 def test_attention_gqa_prefill_then_decode(ocl, ref, head_dim, prompt):
     rng = np.random.default_rng(head_dim)
     n_heads, n_kv, n_layers, n_ctx = 8, 2, 2, prompt + 8

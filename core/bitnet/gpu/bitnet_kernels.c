@@ -635,6 +635,15 @@ KERNEL add_f32(const GLOBAL float* RESTRICT a, const GLOBAL float* RESTRICT b, G
     if (e < count) out[e] = a[e] + b[e];
 }
 
+/* Rows of x [n, width] into out [n, cols], zeros beyond width (group y = row): bitlinear's input for a
+ * weight held zero-extended to whole 256-blocks (1bitLLM 3B's 3200 and 8640). The zeros change
+ * neither a row's sums nor its largest magnitude, so every activation mode gives the unpadded result. */
+KERNEL zero_extend_f32(const GLOBAL float* RESTRICT x, GLOBAL float* RESTRICT out, int width, int cols)
+{
+    const int e = GLOBAL_X, i = GROUP_Y;
+    if (e < cols) out[(size_t)i * cols + e] = e < width ? x[(size_t)i * width + e] : 0.0f;
+}
+
 /* Row ids[i] of a [vocab, dim] table into row i of out (group y = i). */
 KERNEL embed_f16(const GLOBAL unsigned short* RESTRICT table, const GLOBAL int* RESTRICT ids,
                  GLOBAL float* RESTRICT out, int dim)

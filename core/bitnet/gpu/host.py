@@ -442,8 +442,12 @@ class GpuProvider(KernelProvider):
             raise UsageError(f"unknown activation quantization {act_quant!r}; expected one of "
                              f"{', '.join(ACT_QUANT_MODES)}")
         n, cols = x.shape
-        if cols != w.cols:
-            raise ValueError(f"bitlinear: input width {cols} != weight columns {w.cols}")
+        if cols > w.cols:
+            raise ValueError(f"bitlinear: input width {cols} > weight columns {w.cols}")
+        if cols < w.cols:  # a width that is not whole 256-blocks: the weight is held zero-extended
+            padded = self._new((n, w.cols))
+            self._run("zero_extend_f32", (groups(w.cols, self.local["zero_extend_f32"]), n), x, padded, cols, w.cols)
+            x, cols = padded, w.cols
         nb, y = cols // BLOCK, self._new((n, w.rows))
         name = "ternary_matmul_f32" if act_quant == "none" else "ternary_matmul_i8"
         lanes = min(nb, self.local[name])  # one 256-block per thread at a time

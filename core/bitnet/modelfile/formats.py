@@ -72,9 +72,10 @@ def _code3_chunks(flat: np.ndarray, period: int) -> Iterator[tuple[int, np.ndarr
         yield lo, chunk, bool(hits.max())  # max: twice as fast as any() here
 
 
-def _check_shape(kind: str, raw: np.ndarray, rows: int, cols: int, nbytes: int) -> None:
-    if rows <= 0 or cols <= 0 or cols % BLOCK:
-        raise ModelError(f"{kind} tensor of {rows}x{cols}: rows need a positive multiple of {BLOCK} columns")
+def _check_shape(kind: str, raw: np.ndarray, rows: int, cols: int, nbytes: int, unit: int = BLOCK) -> None:
+    if rows <= 0 or cols <= 0 or (rows * cols if unit == I2S_BLOCK else cols) % unit:
+        what = "values" if unit == I2S_BLOCK else "columns per row"
+        raise ModelError(f"{kind} tensor of {rows}x{cols}: needs a positive multiple of {unit} {what}")
     if raw.size != nbytes:
         raise ModelError(f"{kind} tensor of {rows}x{cols} needs {nbytes} bytes, got {raw.size}")
 
@@ -135,18 +136,30 @@ def tq1_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
 
 def i2s_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
     """I2_S bytes (n/4 codes, f32 scale at n/4, padding to n/4+32) -> TernaryMatrix whose codes
-    are the I2_S bytes in place (fields_reversed)."""
+    are the I2_S bytes in place (fields_reversed). I2_S blocks run over the flat tensor, so rows
+    that are not whole 256-blocks (1bitLLM 3B) are decoded and repacked, zero-extended, instead."""
     n = rows * cols
-    _check_shape("I2_S", raw, rows, cols, i2s_nbytes(n))
+    _check_shape("I2_S", raw, rows, cols, i2s_nbytes(n), I2S_BLOCK)
     flat = np.asarray(raw, dtype=np.uint8).reshape(-1)
     scale = np.frombuffer(flat[n // 4:n // 4 + 4].tobytes(), dtype="<f4")[0]
     if not np.isfinite(scale):
         raise ModelError("I2_S tensor has a NaN or infinite scale")
     packed = flat[:n // 4]
+    if cols % BLOCK:
+        if np.any(packed & (packed >> 1) & 0x55):
+            raise ModelError("I2_S tensor holds the invalid code 0b11")
+        return from_values(i2s_values(packed).reshape(rows, cols), scale)
     if any(bad for _, _, bad in _code3_chunks(packed, BYTES_PER_BLOCK)):
         raise ModelError("I2_S tensor holds the invalid code 0b11")
     scales = np.full((rows, cols // BLOCK), scale, dtype=np.float32)
     return TernaryMatrix(packed.reshape(rows, cols // 4), scales, fields_reversed=True)
+
+
+def i2s_values(packed: np.ndarray) -> np.ndarray:
+    """I2_S code bytes (n/4) -> the n ternary values as flat int8, in file order."""
+    g = packed.reshape(-1, 1, 32)
+    c = (g >> np.array([6, 4, 2, 0], np.uint8).reshape(1, 4, 1)) & 3  # value 32k + j of a block
+    return (c.astype(np.int8) - 1).reshape(-1)
 
 
 def bf16_to_float32(a: np.ndarray) -> np.ndarray:
@@ -165,9 +178,6 @@ def float_to_ternary(w: np.ndarray, master_ok: bool = True) -> TernaryMatrix:
     """
     if w.ndim != 2:
         raise ModelError(f"projection weights must be 2-D, got shape {w.shape}")
-    if w.shape[1] % BLOCK or w.shape[1] == 0:
-        raise ModelError(f"projection weights of {w.shape[0]}x{w.shape[1]}: "
-                         f"rows need a multiple of {BLOCK} columns")
     w32 = np.asarray(w, dtype=np.float32)
     if not np.all(np.isfinite(w32)):
         raise ModelError("projection weights hold NaN or infinite values")

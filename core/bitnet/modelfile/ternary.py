@@ -5,6 +5,11 @@ block sits in byte 32*(e//128) + e%32 at bit shift 2*((e%128)//32); code c in {0
 means c-1. A TQ2_0 tensor therefore is this layout once its per-block `d` is dropped (kept
 in `scales`), and I2_S is this layout with the four codes of each byte in reverse order
 (`fields_reversed`): both are used in place, and `packed()` gives canonical bytes.
+
+Any width: a matrix whose files rows are not a multiple of 256 (1bitLLM 3B: 3200, 8640) is held
+zero-extended to whole blocks, and bitlinear zero-extends its input rows to `cols` the same way
+(`zero_extend`). Zero columns add nothing to a row's sum or to its largest magnitude, so every
+activation mode gives the unpadded result exactly, and the kernels keep whole 256-blocks.
 """
 
 from __future__ import annotations
@@ -105,8 +110,21 @@ def unpack_codes(codes: np.ndarray) -> np.ndarray:
     return (c.astype(np.int8) - 1).reshape(rows, nbytes * 4)
 
 
+def zero_extend(x: np.ndarray, cols: int) -> np.ndarray:
+    """Rows of x [n, width <= cols] with zero columns appended up to cols (x itself when already that wide)."""
+    if x.shape[1] == cols:
+        return x
+    if x.shape[1] > cols:
+        raise ValueError(f"input width {x.shape[1]} exceeds the weight's {cols} columns")
+    out = np.zeros((x.shape[0], cols), dtype=x.dtype)
+    out[:, :x.shape[1]] = x
+    return out
+
+
 def from_values(t: np.ndarray, scale: float | np.ndarray) -> TernaryMatrix:
-    """A TernaryMatrix from int8 values and a per-tensor, per-row or per-block scale."""
+    """A TernaryMatrix from int8 values and a per-tensor, per-row or per-block scale; any number of
+    columns (zero-extended to whole 256-blocks)."""
+    t = zero_extend(t, -(-t.shape[1] // BLOCK) * BLOCK)
     rows, cols = t.shape
     scales = np.broadcast_to(np.asarray(scale, dtype=np.float32).reshape(-1, 1) if np.ndim(scale) == 1
                              else np.asarray(scale, dtype=np.float32), (rows, cols // BLOCK))

@@ -83,9 +83,13 @@ def _check(spec: SyntheticSpec) -> None:
         raise ValueError("float_master weights have no separate scale: do not combine with scales")
     if (spec.head_dim is None and spec.dim % spec.n_heads) or spec.n_heads % spec.n_kv_heads:
         raise ValueError("n_heads must divide dim (or head_dim be given) and n_kv_heads must divide n_heads")
-    if spec.dim % 256 or spec.ffn_dim % 256:
-        # Every ternary format packs rows in 256-value blocks (I2_S in 128, loaded as 256).
-        raise ValueError(f"dim ({spec.dim}) and ffn_dim ({spec.ffn_dim}) must be multiples of 256")
+    widths = (spec.dim, spec.ffn_dim, spec.head_size * spec.n_heads)
+    if spec.weight_type in ("tq2_0", "tq1_0") and any(c % 256 for c in widths):
+        # TQ rows are 256-value blocks: llama.cpp's converter writes F16 for other widths (1bitLLM 3B).
+        raise ValueError(f"{spec.weight_type} needs dim, ffn_dim and the attention width to be multiples of 256")
+    kv = spec.head_size * spec.n_kv_heads
+    if spec.weight_type == "i2_s" and any(r * c % 128 for r, c in ((kv, spec.dim), (spec.ffn_dim, spec.dim))):
+        raise ValueError("i2_s blocks are 128 values of the flat tensor: every projection needs a multiple of 128")
 
 
 def _plan(spec: SyntheticSpec) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
 
 
@@ -111,7 +111,7 @@ class ReferenceProvider(KernelProvider):
     def bitlinear(self, x: Any, w: Any, act_quant: str) -> Any:
         self.record(f"{self.prefix}.bitlinear")
         check_act_quant(act_quant)
-        x = np.asarray(x, dtype=np.float32)
+        x = zero_extend(np.asarray(x, dtype=np.float32), w.cols)  # widths that are not whole blocks
         n, nb = x.shape[0], w.cols // BLOCK
         t = w.values().reshape(w.rows, nb, BLOCK)
         scales = w.scales.astype(np.float64)

@@ -20,7 +20,7 @@ import numba
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
+from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime.provider import ACTIVATIONS
 from bitnet.runtime.reference import ReferenceProvider, check_act_quant, store_kv
 
@@ -121,7 +121,7 @@ class CpuProvider(ReferenceProvider):
         if act_quant == "none":
             return self._bitlinear_float(x, w)
         self._use_threads()
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = zero_extend(np.ascontiguousarray(x, dtype=np.float32), w.cols)  # widths not whole blocks
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
             return self._tk.bitlinear_block256(x, w.blocks, w.scales, w.fields_reversed)
@@ -139,7 +139,7 @@ class CpuProvider(ReferenceProvider):
         came in (5e-5 apart at n = 9 with matrix products). It is also faster: the batched
         per-block products took 10.8 s for 64 tokens of a 6912 x 2560 block-scaled matrix.
         """
-        x = np.asarray(x, dtype=np.float32)
+        x = zero_extend(np.asarray(x, dtype=np.float32), w.cols)
         a = permute_cols(x, w.fields_reversed)
         rowwise = w.row_scales is not None
         self.record(f"cpu.bitlinear_{'rowscale' if rowwise else 'blockscale'}_none")
