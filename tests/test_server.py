@@ -175,7 +175,10 @@ def _error(r: httpx.Response, status: int) -> dict[str, object]:
     ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "word " * 600}]}, "max_tokens"),      # the prompt alone too long
     ({"messages": HELLO, "n": 2}, "n"),
-    ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools"),                # would change the meaning
+    ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "max_tokens": 1},
+     "messages.0.content.0.type"),
     ({"messages": HELLO, "top_logprobs": 2}, None),                                  # needs logprobs
     ({"messages": HELLO, "temperature": -1}, None),                                  # range checked by the engine
     ({"messages": HELLO, "logit_bias": {"99999": 1}}, None),
@@ -183,6 +186,16 @@ def _error(r: httpx.Response, status: int) -> dict[str, object]:
 def test_bad_requests_are_400(server: Server, body: object, param: str | None) -> None:
     err = _error(_post(server, body), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_unknown_fields_are_ignored_and_text_parts_joined(server: Server) -> None:
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}],
+            "max_tokens": 3, "temperature": 0, "parallel_tool_calls": False, "service_tier": "auto"}
+    joined = {**body, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]}
+    r = _post(server, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == _post(server, joined).json()["choices"][0]["message"]
 
 
 def test_context_overflow_says_so(server: Server) -> None:

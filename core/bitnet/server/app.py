@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bitnet.server")
 
+_TYPE_TAGS = ("str", "int", "float", "bool", "dict", "list")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -225,8 +226,10 @@ def create_app(settings: Settings, on_fatal: Callable[[BaseException], None] | N
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # The deepest error says most (of a union, the branch that got furthest); pydantic names union
+        # branches in the location ("str", "list[TextPart]"): clients know the fields only.
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in _TYPE_TAGS and "[" not in str(p)]
         if first.get("type") == "json_invalid":
             return OpenAIError(400, f"the body is not valid JSON: {first.get('msg')}").response()
         where = ".".join(loc)
