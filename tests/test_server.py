@@ -381,21 +381,26 @@ def test_load_64_requests_8_at_a_time(server: Server, client: openai.OpenAI) -> 
 
 def test_health_is_503_while_loading_then_sigterm_exits_0(tmp_path: Path, env: dict[str, str],
                                                           no_eos: dict[str, float]) -> None:
-    s = Server(tmp_path / "log", "--parallel", "2", "--n-ctx", "4096", "--shutdown-timeout", "1", env=env)
+    s = Server(tmp_path / "log", "--parallel", "2", "--n-ctx", "8192", "--shutdown-timeout", "3", env=env)
     try:
         seen = s.wait_ready()
         assert seen[0] == 503 and seen[-1] == 200, seen
-        body = {"messages": HELLO, "max_tokens": 4000, "stream": True, "logit_bias": no_eos}  # seconds here
-        with httpx.stream("POST", s.url + CHAT, json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            next(lines)
+        # In flight at SIGTERM: one that ends within the 3 s bound (a few hundred tokens: well under a second
+        # here) and one that cannot (8000 tokens: many seconds).
+        short = {"messages": HELLO, "max_tokens": 300, "stream": True, "logit_bias": no_eos}
+        long = {**short, "max_tokens": 8000}
+        with httpx.stream("POST", s.url + CHAT, json=long, timeout=60) as r_long, \
+                httpx.stream("POST", s.url + CHAT, json=short, timeout=60) as r_short:
+            long_lines, short_lines = r_long.iter_lines(), r_short.iter_lines()
+            next(long_lines), next(short_lines)
             t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             with pytest.raises(httpx.ConnectError):  # no longer accepting
                 httpx.get(s.url + "/health", timeout=5)
-            with pytest.raises(httpx.RemoteProtocolError):  # in flight past the 1 s bound: cancelled
-                for _ in lines:
+            assert [x for x in short_lines if x][-1] == "data: [DONE]"  # finished
+            with pytest.raises(httpx.RemoteProtocolError):  # still running at the bound: cancelled
+                for _ in long_lines:
                     pass
         assert s.proc.wait(30) == 0
         assert time.monotonic() - t0 < 15
