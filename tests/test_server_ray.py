@@ -1,5 +1,6 @@
 """Ray Serve scale-out (bitnet.server.ray): two replicas on a local Ray instance bound to loopback, driven by
-the same `openai` client tests as the single server (imported from test_server, run here against Ray)."""
+the same `openai` client tests as the single server (test_server's, called here against Ray). One test
+function, so parallel test workers start one Ray instance, not one each."""
 
 from __future__ import annotations
 
@@ -13,20 +14,13 @@ import pytest
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'bitnet-core[ray]')")
 openai = pytest.importorskip("openai", reason="the server tests need openai (requirements-dev.txt)")
 
-from test_server import (  # noqa: E402,F401  (the same client tests, collected again here)
-    ALIAS,
-    HELLO,
-    KEY,
-    Server,
-    test_chat_completion_with_the_openai_client,
-    test_chat_stream_matches_the_whole_reply,
-    test_completions_and_models,
-)
+import test_server  # noqa: E402
+from test_server import ALIAS, HELLO, KEY, Server  # noqa: E402
 
 from conftest import cli_env  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # One CPU thread per replica: two replicas share this machine's cores.
     # RAY_DEDUP_LOGS=0: every replica request log line reaches the output (Ray folds repeated ones).
@@ -53,7 +47,11 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def test_both_replicas_answer(server: Server, client: openai.OpenAI) -> None:
+def test_openai_client_through_two_ray_replicas(server: Server, client: openai.OpenAI) -> None:
+    test_server.test_chat_completion_with_the_openai_client(client)
+    test_server.test_chat_stream_matches_the_whole_reply(client)
+    test_server.test_completions_and_models(client)
+
     def ask(_: int) -> str:
         return client.chat.completions.create(model=ALIAS, messages=HELLO, max_tokens=8, temperature=0,
                                               ).choices[0].message.content
