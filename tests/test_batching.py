@@ -192,3 +192,14 @@ def test_n_seqs_is_checked_and_multiplies_the_kv_cache(model_path: Path) -> None
         bitnet.load(str(model_path), device="cpu", n_seqs=0)
     with pytest.raises(UsageError, match="x 100000 sequences needs"):
         bitnet.load(str(model_path), device="cpu", n_ctx=256, n_seqs=100_000)
+
+
+def test_nothing_to_generate_and_a_closed_scheduler(engine: Engine) -> None:
+    from bitnet.runtime.scheduler import ShuttingDown
+
+    s = Scheduler(engine)
+    r = s.submit(PROMPTS[0], max_tokens=0)
+    assert r.text() == "" and r.finish_reason == "length" and r.generated_tokens == 0
+    s.close()
+    with pytest.raises(ShuttingDown, match="shutting down"):
+        s.submit(PROMPTS[0], max_tokens=4)

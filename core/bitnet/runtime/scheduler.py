@@ -43,6 +43,10 @@ class QueueFull(UsageError):
     """The scheduler's queue is at its bound: try again later (HTTP 429)."""
 
 
+class ShuttingDown(UsageError):
+    """The scheduler is closing and takes no new request (HTTP 503)."""
+
+
 @dataclass
 class Request:
     """One sequence submitted to a Scheduler: its prompt, its sampling, and the steps it produced."""
@@ -167,9 +171,12 @@ class Scheduler:
         ids, sampler, stops = self.engine.prepare(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
                                                   logprobs, **sampling)
         req = Request(ids, sampler, max_tokens, stops, loop=loop)
+        if max_tokens == 0:  # as engine.generate: nothing to run
+            self._finish(req, "length")
+            return req
         with self._wake:
             if self._stopping:
-                raise UsageError("the scheduler is shutting down")
+                raise ShuttingDown("the server is shutting down and takes no new request")
             # Room: the queue's bound plus the slots not yet taken (the thread may not have admitted yet).
             if len(self._waiting) >= self.max_queue + self.n_slots - len(self._running):
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the bound is {self.max_queue})")

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bitnet.errors import UsageError
 from bitnet.runtime.completions import Shaper, check_chat_logprobs, usage
-from bitnet.runtime.scheduler import QueueFull
+from bitnet.runtime.scheduler import QueueFull, ShuttingDown
 from bitnet.server.metrics import Metrics
 from bitnet.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -219,6 +219,10 @@ def create_app(settings: Settings, on_fatal: Callable[[BaseException], None] | N
         # Retry-After: a slot frees as soon as any running sequence ends, typically within a second or so.
         return OpenAIError(429, f"the server is busy: {exc}", "rate_limit_error", None, "queue_full",
                            {"Retry-After": "1"}).response()
+
+    @app.exception_handler(ShuttingDown)
+    async def _shutting_down(_: Request, exc: ShuttingDown) -> JSONResponse:
+        return OpenAIError(503, str(exc), "server_error", None, "shutting_down").response()
 
     @app.exception_handler(UsageError)
     async def _usage_error(_: Request, exc: UsageError) -> JSONResponse:
