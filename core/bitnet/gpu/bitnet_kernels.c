@@ -51,23 +51,31 @@
     } while (0)
 #endif
 
+/* The portable reduction: a tree over local memory; every thread ends with the result in v, and the
+ * closing barrier lets the caller reuse `red` at once. */
+#define TREE_REDUCE(red, v, COMBINE)                                                                \
+    do {                                                                                          \
+        red[TID] = v;                                                                             \
+        BARRIER();                                                                                \
+        for (int s_ = LSIZE / 2; s_ > 0; s_ >>= 1) {                                              \
+            if (TID < s_) red[TID] = COMBINE(red[TID], red[TID + s_]);                            \
+            BARRIER();                                                                            \
+        }                                                                                         \
+        v = red[0];                                                                               \
+        BARRIER();                                                                                \
+    } while (0)
+/* The first of the larger magnitude: the tree may keep either sign on a tie (see below). */
+#define FIRST_MAGNITUDE(a, b) (fabsf(b) > fabsf(a) ? (b) : (a))
+
 DEVICE float group_sum(LOCAL_PTR float* red, float v)
 {
 #ifdef HAS_SUBGROUP_REDUCE
     v = SG_SUM(v);
     ACROSS_SUBGROUPS(red, v, SUM);
-    return v;
 #else
-    red[TID] = v;
-    BARRIER();
-    for (int s = LSIZE / 2; s > 0; s >>= 1) {
-        if (TID < s) red[TID] += red[TID + s];
-        BARRIER();
-    }
-    const float r = red[0];
-    BARRIER(); /* all have read red[0] before the caller reuses red */
-    return r;
+    TREE_REDUCE(red, v, SUM);
 #endif
+    return v;
 }
 
 DEVICE int group_sum_int(LOCAL_PTR int* red, int v)
@@ -75,18 +83,10 @@ DEVICE int group_sum_int(LOCAL_PTR int* red, int v)
 #ifdef HAS_SUBGROUP_REDUCE
     v = SG_SUM(v);
     ACROSS_SUBGROUPS(red, v, SUM);
-    return v;
 #else
-    red[TID] = v;
-    BARRIER();
-    for (int s = LSIZE / 2; s > 0; s >>= 1) {
-        if (TID < s) red[TID] += red[TID + s];
-        BARRIER();
-    }
-    const int r = red[0];
-    BARRIER();
-    return r;
+    TREE_REDUCE(red, v, SUM);
 #endif
+    return v;
 }
 
 DEVICE float group_max(LOCAL_PTR float* red, float v)
@@ -94,18 +94,10 @@ DEVICE float group_max(LOCAL_PTR float* red, float v)
 #ifdef HAS_SUBGROUP_REDUCE
     v = SG_MAX(v);
     ACROSS_SUBGROUPS(red, v, fmaxf);
-    return v;
 #else
-    red[TID] = v;
-    BARRIER();
-    for (int s = LSIZE / 2; s > 0; s >>= 1) {
-        if (TID < s) red[TID] = fmaxf(red[TID], red[TID + s]);
-        BARRIER();
-    }
-    const float r = red[0];
-    BARRIER();
-    return r;
+    TREE_REDUCE(red, v, fmaxf);
 #endif
+    return v;
 }
 
 /* The value of largest magnitude, sign kept (Q8_K's scale); which of +-v wins a tie does not change
@@ -117,18 +109,10 @@ DEVICE float group_max_magnitude(LOCAL_PTR float* red, float v)
     const float m = SG_MAX(fabsf(v));
     v = SG_MAX(fabsf(v) == m ? v : NEG_INF);
     ACROSS_SUBGROUPS(red, v, MAX_MAGNITUDE);
-    return v;
 #else
-    red[TID] = v;
-    BARRIER();
-    for (int s = LSIZE / 2; s > 0; s >>= 1) {
-        if (TID < s && fabsf(red[TID + s]) > fabsf(red[TID])) red[TID] = red[TID + s];
-        BARRIER();
-    }
-    const float r = red[0];
-    BARRIER();
-    return r;
+    TREE_REDUCE(red, v, FIRST_MAGNITUDE);
 #endif
+    return v;
 }
 
 /* ---- number formats ------------------------------------------------------------------------------ */

@@ -22,7 +22,7 @@ class Conversation:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UsageError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         self.engine, self.max_tokens, self.sampling = engine, max_tokens, sampling
-        engine.stream([0], 1, **sampling)  # checks every option now (lazy: nothing runs), not at the first turn
+        engine.prepare([0], 1, **sampling)  # every option checked now, not at the first turn
         self.messages: list[dict[str, str]] = []
         self.dropped = 0  # messages the last turn dropped to fit the context
         if system:

@@ -188,9 +188,7 @@ class Engine:
         self._check_fits(len(ids), 0)
         self.stats = Stats(load_ms=self.load_ms, prompt_tokens=len(ids))
         t0 = time.perf_counter()
-        self._epoch += 1
-        self.transformer.reset()
-        self._cached = []
+        self.reset()
         out = self.provider.to_host(self.transformer.forward(ids, 0, all_logits=True))
         self._cached = [int(i) for i in ids]
         self.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -209,17 +207,16 @@ class Engine:
         one (UsageError on its next step). The cache is reused: only the part of the prompt that
         differs from the previous run's tokens is computed (a chat's next turn prefills only itself).
         """
-        steps = self.stream(prompt, max_tokens, temperature, top_k, top_p, seed, stop, **sampling)
+        steps = self.stream(prompt, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop=stop, **sampling)
         return (s.text for s in steps if s.text)
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] = (),
-               logprobs: int | None = None, **sampling: Any) -> Iterator[Step]:
-        """As generate, one Step per sampled token (its text, and its log-probabilities if asked for)."""
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, **options: Any) -> Iterator[Step]:
+        """As generate, one Step per sampled token (its text, and its log-probabilities if asked for);
+        options as prepare's."""
         t0 = time.perf_counter()
         self._check_free()
-        ids, sampler, stops = self.prepare(prompt, max_tokens, temperature, top_k, top_p, seed, stop, logprobs,
-                                           **sampling)
+        ids, sampler, stops = self.prepare(prompt, max_tokens, **options)
         return self._run(ids, max_tokens, sampler, stops, (time.perf_counter() - t0) * 1e3)
 
     def prepare(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,

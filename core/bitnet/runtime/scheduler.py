@@ -163,13 +163,11 @@ class Scheduler:
         self._thread.start()
 
     # -- the caller's side ---------------------------------------------------------------------------
-    def submit(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] = (),
-               logprobs: int | None = None, loop: asyncio.AbstractEventLoop | None = None,
-               **sampling: Any) -> Request:
-        """Queue a sequence. Everything is checked here, before it queues; QueueFull past the bound."""
-        ids, sampler, stops = self.engine.prepare(prompt, max_tokens, temperature, top_k, top_p, seed, stop,
-                                                  logprobs, **sampling)
+    def submit(self, prompt: str | Sequence[int], max_tokens: int = 128,
+               loop: asyncio.AbstractEventLoop | None = None, **options: Any) -> Request:
+        """Queue a sequence (options as Engine.prepare's; `loop` to iterate it with `async for`).
+        Everything is checked here, before it queues; QueueFull past the bound."""
+        ids, sampler, stops = self.engine.prepare(prompt, max_tokens, **options)
         req = Request(ids, sampler, max_tokens, stops, loop=loop)
         if max_tokens == 0:  # as engine.generate: nothing to run
             self._finish(req, "length")
