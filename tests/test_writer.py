@@ -12,7 +12,16 @@ from gguf.quants import dequantize
 
 from bitnet.modelfile.formats import ternary_to_i2s
 from bitnet.modelfile.model import _Reader, load_model
-from bitnet.modelfile.writer import PRESETS, SyntheticSpec, _plan, _tensor_bytes, main, synthetic_weights, write_model
+from bitnet.modelfile.writer import (
+    PRESETS,
+    SyntheticSpec,
+    _plan,
+    _tensor_type,
+    main,
+    synthetic_weights,
+    tensor_nbytes,
+    write_model,
+)
 
 
 def digest(path: Path) -> str:
@@ -104,7 +113,7 @@ def test_2b4t_preset_shape_and_size() -> None:
     assert (spec.embd_type, spec.tokenizer, spec.rope_theta) == ("f16", "gpt2", 500000.0)
     plan = _plan(spec)
     assert len(plan) == 2 + 30 * 11
-    total = sum(_tensor_bytes(spec, kind, shape)[1] for _, kind, shape in plan)
+    total = sum(tensor_nbytes(_tensor_type(spec, kind), shape) for _, kind, shape in plan)
     assert 1.1e9 < total < 1.25e9
 
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -256,17 +256,19 @@ def _float_dtype(spec: SyntheticSpec) -> type:
     return np.float16 if spec.weight_type == "f16" else np.float32
 
 
-def _tensor_bytes(spec: SyntheticSpec, kind: str, shape: tuple[int, ...]) -> tuple[int, int]:
-    """(ggml type, data size) of a tensor, known before any data is generated."""
-    n = int(np.prod(shape))
+def _tensor_type(spec: SyntheticSpec, kind: str) -> int:
     if kind in ("norm", "scale", "ones"):
-        ggml_type = int(GGMLQuantizationType.F32)
-    else:
-        ggml_type = _GGML_TYPE[spec.embd_type if kind == "embd" else spec.weight_type]
+        return int(GGMLQuantizationType.F32)
+    return _GGML_TYPE[spec.embd_type if kind == "embd" else spec.weight_type]
+
+
+def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of this type and numpy shape occupies, known before any data exists."""
+    n = int(np.prod(shape))
     if ggml_type == formats.GGML_I2_S:
-        return ggml_type, formats.i2s_nbytes(n)
+        return formats.i2s_nbytes(n)
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    return ggml_type, n // block * size
+    return n // block * size
 
 
 class _StreamingWriter(GGUFWriter):
@@ -308,63 +310,75 @@ def _add_kv(w: GGUFWriter, key: str, value: Any) -> None:
         raise ValueError(f"cannot write metadata {key} = {value!r}")
 
 
-def write_model(path: str | Path, spec: SyntheticSpec) -> Path:
-    """Write the synthetic model described by spec to path (GGUF v3, little-endian)."""
-    _check(spec)
+# A tensor to write: name, ggml type, numpy shape, and a callable yielding its bytes in pieces
+# (called once, when its turn comes, so that a large tensor never has to be held whole).
+TensorSource = tuple[str, int, tuple[int, ...], Callable[[], Iterable[np.ndarray]]]
+
+
+def write_gguf(path: str | Path, arch: str, metadata: dict[str, Any], tensors: Sequence[TensorSource]) -> Path:
+    """Write a GGUF v3 file (little-endian): general.architecture = arch, then metadata in
+    order (Python int -> uint32, float -> float32, str, bool, lists of those), then tensors."""
     path = Path(path)
     # Written beside the target and renamed at the end: a failure never leaves a partial model.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    arch = spec.arch
     w = _StreamingWriter(tmp, arch)
-    w.add_name("bitnet-synthetic")
-    for key, value in {
-        "block_count": spec.n_layers, "context_length": spec.n_ctx, "embedding_length": spec.dim,
-        "feed_forward_length": spec.ffn_dim, "attention.head_count": spec.n_heads,
-        "attention.head_count_kv": spec.n_kv_heads, "rope.dimension_count": spec.head_size,
-        "vocab_size": spec.vocab_size,
-        **({"attention.key_length": spec.head_dim, "attention.value_length": spec.head_dim} if spec.head_dim else {}),
-    }.items():
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_float32(f"{arch}.rope.freq_base", spec.rope_theta)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.rms_eps)
-    if spec.hidden_act is not None:
-        w.add_string(f"{arch}.hidden_act", spec.hidden_act)
-    tok = dict(synthetic_tokenizer_metadata(spec.tokenizer, spec.vocab_size))
-    if spec.tokenizer_pre is None:
-        tok.pop("tokenizer.ggml.pre", None)
-    elif spec.tokenizer_pre:
-        tok["tokenizer.ggml.pre"] = spec.tokenizer_pre
-    for key, value in tok.items():
+    for key, value in metadata.items():
         _add_kv(w, key, value)
-
-    plan = _plan(spec)
-    shapes = {name: shape for name, _, shape in plan}
-    for name, kind, shape in plan:
-        ggml_type, nbytes = _tensor_bytes(spec, kind, shape)
-        w.add_raw_tensor_info(name, shape, ggml_type, nbytes)
+    for name, ggml_type, shape, _ in tensors:
+        w.add_raw_tensor_info(name, shape, ggml_type, tensor_nbytes(ggml_type, shape))
     try:
         w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for name, kind, shape in plan:
-            if kind == "embd":
-                w.write_tensor_pieces(_embd_chunks(spec, name, shape))
-            elif kind == "norm":
-                w.write_tensor_pieces(iter([_norm(spec, name, shape)]))
-            elif kind == "ones":
-                w.write_tensor_pieces(iter([np.ones(shape, np.float32)]))
-            elif kind == "scale":
-                weight = name[:-len(".scale")] + ".weight"
-                s = _scale(spec, weight, shapes[weight][1])
-                w.write_tensor_pieces(iter([np.array([s], dtype=np.float32)]))
-            else:
-                w.write_tensor_pieces(iter([_encode_projection(spec, name, shape)]))
+        for _, _, _, pieces in tensors:
+            w.write_tensor_pieces(iter(pieces()))
         w.close()
         os.replace(tmp, path)
     finally:
         w.close()
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_model(path: str | Path, spec: SyntheticSpec) -> Path:
+    """Write the synthetic model described by spec to path (GGUF v3, little-endian)."""
+    _check(spec)
+    arch = spec.arch
+    md: dict[str, Any] = {"general.name": "bitnet-synthetic"}
+    for key, value in {
+        "block_count": spec.n_layers, "context_length": spec.n_ctx, "embedding_length": spec.dim,
+        "feed_forward_length": spec.ffn_dim, "attention.head_count": spec.n_heads,
+        "attention.head_count_kv": spec.n_kv_heads, "rope.dimension_count": spec.head_size,
+        "vocab_size": spec.vocab_size,
+        **({"attention.key_length": spec.head_dim, "attention.value_length": spec.head_dim} if spec.head_dim else {}),
+        "rope.freq_base": float(spec.rope_theta), "attention.layer_norm_rms_epsilon": float(spec.rms_eps),
+        **({"hidden_act": spec.hidden_act} if spec.hidden_act is not None else {}),
+    }.items():
+        md[f"{arch}.{key}"] = value
+    tok = dict(synthetic_tokenizer_metadata(spec.tokenizer, spec.vocab_size))
+    if spec.tokenizer_pre is None:
+        tok.pop("tokenizer.ggml.pre", None)
+    elif spec.tokenizer_pre:
+        tok["tokenizer.ggml.pre"] = spec.tokenizer_pre
+    md.update(tok)
+
+    plan = _plan(spec)
+    shapes = {name: shape for name, _, shape in plan}
+
+    def pieces(name: str, kind: str, shape: tuple[int, ...]) -> Callable[[], Iterable[np.ndarray]]:
+        if kind == "embd":
+            return lambda: _embd_chunks(spec, name, shape)
+        if kind == "norm":
+            return lambda: [_norm(spec, name, shape)]
+        if kind == "ones":
+            return lambda: [np.ones(shape, np.float32)]
+        if kind == "scale":
+            weight = name[:-len(".scale")] + ".weight"
+            return lambda: [np.array([_scale(spec, weight, shapes[weight][1])], dtype=np.float32)]
+        return lambda: [_encode_projection(spec, name, shape)]
+
+    return write_gguf(path, arch, md, [(name, _tensor_type(spec, kind), shape, pieces(name, kind, shape))
+                                       for name, kind, shape in plan])
 
 
 # -- command line ---------------------------------------------------------------------------------
