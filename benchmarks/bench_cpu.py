@@ -5,10 +5,14 @@ the same background load (the machines this runs on are shared), and the table s
 of `--runs` with the ratios ours / llama.cpp. A memory-bandwidth probe (numba, the same thread
 count, with and without software prefetch, best of all runs) gives the decode ceiling: the
 bytes one decode step must read (ternary weights plus the LM head) over the probed GB/s. The
-first-run JIT cost (empty numba cache) is measured once.
+first-run JIT cost (empty numba cache) is measured once. With an int8 LM head (`--lm-head q8`, or
+`auto` on a file whose head is stored quantized) it also prints the head's accuracy against the F16
+head, from one more process: top-1 agreement and mean KL divergence over the cross-validation prompts
+(bitnet.testing.crossval).
 
     python benchmarks/bench_cpu.py --model /tmp/m-tq2_0.gguf --threads 1,2 --runs 5
     python benchmarks/bench_cpu.py --model /tmp/m-i2_s.gguf --llama-model /tmp/m-tq2_0.gguf
+    python benchmarks/bench_cpu.py --model /tmp/m-tq2_0.gguf --lm-head q8
 
 llama.cpp cannot read I2_S: give its TQ2_0 twin (same shapes) as --llama-model.
 Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0`.
@@ -46,13 +50,13 @@ def _finish(load_s: float, warm_s: float, n_prompt: int, prefill_s: float, n_dec
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str) -> dict[str, Any]:
+def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_head: str) -> dict[str, Any]:
     import numpy as np
 
     import bitnet
 
     t0 = time.perf_counter()
-    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 16, act_quant=act_quant)
+    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 16, act_quant=act_quant, lm_head=lm_head)
     load_s = time.perf_counter() - t0
     tr, p = eng.transformer, eng.provider
     ids = _ids(n_prompt, eng.config.vocab_size)
@@ -76,6 +80,24 @@ def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str) -> dic
     out["kernels"] = sorted(k for k in p.dispatches if "bitlinear" in k or "lm_head" in k)
     eng.close()
     return out
+
+
+def worker_accuracy(model: str, act_quant: str) -> dict[str, Any]:
+    """The int8 LM head against the F16 head over the cross-validation prompts: the same hidden states
+    (every layer runs the same kernels), two heads."""
+    import numpy as np
+
+    import bitnet
+    from bitnet.testing.crossval import agreement, crossval_prompts
+
+    f16, q8 = (bitnet.load(model, device="cpu", n_ctx=128, act_quant=act_quant, lm_head=h) for h in ("f16", "q8"))
+    same, kl = [], []
+    for ids in crossval_prompts(f16.tokenize):  # a prompt at a time: [tokens, vocab] float64 temporaries
+        s, k = agreement(f16.logits(ids), q8.logits(ids))
+        same.append(s)
+        kl.append(k)
+    return {"positions": int(sum(len(s) for s in same)), "top1": float(np.mean(np.concatenate(same))),
+            "mean_kl": float(np.mean(np.concatenate(kl)))}
 
 
 def worker_llama(model: str, threads: int, n_prompt: int, n_decode: int) -> dict[str, Any]:
@@ -152,16 +174,20 @@ def _timed(f: Any, *args: Any) -> float:
     return time.perf_counter() - t0
 
 
-def decode_bytes(model: str) -> int:
-    """Bytes one decode step reads: every projection tensor and the LM head."""
-    from bitnet.modelfile.model import _open  # gguf's own reader rejects I2_S (ggml type 36)
+def decode_bytes(model: str, lm_head: str) -> tuple[int, str]:
+    """Bytes one decode step reads (every projection tensor and the LM head), and the head's format."""
+    from bitnet.modelfile.model import _open, type_name  # gguf's own reader rejects I2_S (ggml type 36)
+    from bitnet.runtime.engine import choose_lm_head
 
     r = _open(model)
     names = {t.name for t in r.tensors}
-    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    name = "output.weight" if "output.weight" in names else "token_embd.weight"
+    head = next(t for t in r.tensors if t.name == name)
+    fmt = choose_lm_head(lm_head, type_name(int(head.tensor_type)))
+    head_bytes = int(head.n_elements) + 4 * int(head.shape[1]) if fmt == "q8" else int(head.n_bytes)  # int8, scales
     projection = [t for t in r.tensors if t.name.startswith("blk.") and t.name.endswith(".weight")
                   and "norm" not in t.name]
-    return sum(int(t.n_bytes) for t in projection) + next(int(t.n_bytes) for t in r.tensors if t.name == head)
+    return sum(int(t.n_bytes) for t in projection) + head_bytes, fmt
 
 
 def spawn(kind: str, args: argparse.Namespace, model: str, threads: int,
@@ -169,7 +195,7 @@ def spawn(kind: str, args: argparse.Namespace, model: str, threads: int,
     env = {**os.environ, "BITNET_NUM_THREADS": str(threads), **(env_extra or {})}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model,
            "--threads", str(threads), "--prompt-tokens", str(args.prompt_tokens),
-           "--decode-tokens", str(args.decode_tokens), "--act-quant", args.act_quant]
+           "--decode-tokens", str(args.decode_tokens), "--act-quant", args.act_quant, "--lm-head", args.lm_head]
     return workers.run(cmd, env, args.timeout, kind)
 
 
@@ -183,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--act-quant", default="row")
+    ap.add_argument("--lm-head", choices=("f16", "q8", "auto"), default="auto",
+                    help="our LM head (llama.cpp runs the file's); q8 also prints its accuracy against f16")
     ap.add_argument("--no-jit-probe", action="store_true", help="skip the empty-cache first-run measurement")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--timeout", type=float, default=1800)
@@ -191,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(t) for t in str(args.threads).split(",")]
     if args.worker:
         if args.worker == "ours":
-            out = worker_ours(args.model, args.prompt_tokens, args.decode_tokens, args.act_quant)
+            out = worker_ours(args.model, args.prompt_tokens, args.decode_tokens, args.act_quant, args.lm_head)
+        elif args.worker == "accuracy":
+            out = worker_accuracy(args.model, args.act_quant)
         elif args.worker == "llama":
             out = worker_llama(args.model, threads[0], args.prompt_tokens, args.decode_tokens)
         else:
@@ -205,11 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             while f.read(64 << 20):
                 pass
     size_mb = os.path.getsize(args.model) / 2**20
-    step_gb = decode_bytes(args.model) / 1e9
+    step_bytes, head_format = decode_bytes(args.model, args.lm_head)
+    step_gb = step_bytes / 1e9
     log = sys.stderr
     print(f"model {args.model} ({size_mb:.0f} MiB), llama.cpp on {llama_model}; prompt {args.prompt_tokens}, "
-          f"decode {args.decode_tokens} tokens, {args.runs} runs, act_quant {args.act_quant}; "
-          f"a decode step reads {step_gb:.2f} GB", file=log, flush=True)
+          f"decode {args.decode_tokens} tokens, {args.runs} runs, act_quant {args.act_quant}, "
+          f"our LM head {head_format}; a decode step reads {step_gb:.2f} GB", file=log, flush=True)
     jit = {}
     if not args.no_jit_probe:
         with tempfile.TemporaryDirectory() as cache:
@@ -247,13 +278,18 @@ def main(argv: list[str] | None = None) -> int:
                   for k in ("decode_tps", "prefill_tps", "load_s", "rss_mb")}
         print(f"{t:>3} {'ours/llama':<10}{ratios['decode_tps']:>11.2f}{ratios['prefill_tps']:>12.2f}"
               f"{ratios['load_s']:>8.2f}{ratios['rss_mb']:>9.2f}   (bandwidth probe {bandwidth[t]:.1f} GB/s)")
+    accuracy = spawn("accuracy", args, args.model, threads[-1]) if head_format == "q8" else {}
+    if accuracy:
+        print(f"LM head q8 vs f16 over {accuracy['positions']} positions of the cross-validation prompts: "
+              f"top-1 agreement {accuracy['top1']:.2%}, mean KL divergence {accuracy['mean_kl']:.2e} nats")
     if jit:
         print(f"first-run JIT (empty cache) warm-up: {jit['warmup_s']:.1f} s; "
               f"kernels: {', '.join(jit['kernels'])}")
     if args.json:
         runs = {f"{k}:{t}": v for (k, t), v in results.items()}
         args.json.write_text(json.dumps({"runs": runs, "bandwidth_gbps": bandwidth, "jit": jit,
-                                         "decode_gb": step_gb}, indent=1))
+                                         "decode_gb": step_gb, "lm_head": head_format, "lm_head_accuracy": accuracy},
+                                        indent=1))
     return 0
 
 

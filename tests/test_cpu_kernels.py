@@ -17,7 +17,7 @@ import pytest
 
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
-from bitnet.runtime.reference import ReferenceProvider
+from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
 from bitnet_cpu import isa, ternary_ir
 from bitnet_cpu.provider import CpuProvider
 
@@ -281,6 +281,49 @@ def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, n: int) -> Non
     assert np.array_equal(cpu_float.argmax(got), REF.argmax(want))
 
 
+@pytest.mark.parametrize("vocab, dim, n", [(1, 64, 1), (1000, 320, 1), (1537, 100, 4), (700, 2560, 9)])
+def test_q8_lm_head_is_bit_exact(cpu: CpuProvider, vocab: int, dim: int, n: int) -> None:
+    # An integer path: the reference's logits to the bit, at every level and thread count (n = 9: two
+    # groups of four tokens and one more; dim 100: no whole SIMD register at the end of a row).
+    rng = np.random.default_rng(vocab + dim + n)
+    table = (rng.standard_normal((vocab, dim)) * 0.05).astype(np.float16)
+    table[vocab // 2] = 0
+    x = (rng.standard_normal((n, dim)) * 3).astype(np.float32)
+    x[0, :3] = [40.0, -40.0, 0.5]  # both extreme codes
+    got = cpu.lm_head_q8(x, cpu.upload_q8(table))
+    np.testing.assert_array_equal(got, REF.lm_head_q8(x, q8_table(table)))
+    assert "cpu.lm_head_q8" in cpu.dispatches
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_q8_table_is_the_references(cpu_float: CpuProvider, dtype: type) -> None:
+    # The numba build of the int8 table (F16 converted in registers) gives the reference's codes and scales.
+    rng = np.random.default_rng(18)
+    table = (rng.standard_normal((700, 320)) * 0.05).astype(dtype)
+    table[3] = 0
+    table[4, :4] = [6e-8, -6e-8, 1e-7, 0.0]  # F16 subnormals
+    table[5, :2] = [1e-6, -2e-6]
+    table[5, 2:] = 0
+    table[6] = np.float16(0.0503)  # a row of one value: every code 127
+    got, want = cpu_float.upload_q8(table), q8_table(table)
+    np.testing.assert_array_equal(got.q, want.q)
+    np.testing.assert_array_equal(got.scale, want.scale)
+
+
+def test_a_corrupt_q8_table_fails_the_check(cpu_float: CpuProvider) -> None:
+    rng = np.random.default_rng(17)
+    table = rng.standard_normal((300, 256)).astype(np.float16)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    t = q8_table(table)
+    want = REF.lm_head_q8(x, t)
+    scale, q = t.scale.copy(), t.q.copy()
+    scale[123] *= np.float32(1 + 2 ** -20)  # a few ulps on one row's scale
+    q[45, 67] += 1  # one code of one row
+    for broken in (Q8Table(t.q, scale), Q8Table(q, t.scale)):
+        with pytest.raises(AssertionError):
+            np.testing.assert_array_equal(cpu_float.lm_head_q8(x, broken), want)
+
+
 def rows_at(slot: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Sequence slots and positions of n consecutive rows of one sequence."""
     return np.full(n, slot, np.int32), np.arange(start, start + n, dtype=np.int32)
@@ -342,6 +385,8 @@ def test_float_kernels_are_batch_invariant(cpu_float: CpuProvider) -> None:
     for dtype in (np.float16, np.float32):
         table = cpu.upload_float(rng.standard_normal((1500, 512)).astype(dtype))
         ops[f"lm_head_{np.dtype(dtype).name}"] = lambda r, table=table: cpu.lm_head(r, table)
+    head_q8 = q8_table(rng.standard_normal((1500, 512)).astype(np.float16))
+    ops["lm_head_q8"] = lambda r: cpu.lm_head_q8(r, head_q8)
     for name, op in ops.items():
         np.testing.assert_array_equal(op(x), one_by_one(op, x), err_msg=name)
     positions = np.arange(100, 107, dtype=np.int32)

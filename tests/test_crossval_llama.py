@@ -50,6 +50,7 @@ llama_cpp = pytest.importorskip(
 
 import bitnet  # noqa: E402
 from bitnet.modelfile.writer import SyntheticSpec, synthetic_weights, write_model  # noqa: E402
+from bitnet.testing.crossval import LONG, SHORT, crossval_prompts, prompt_text  # noqa: E402
 
 pytestmark = pytest.mark.llama
 
@@ -177,11 +178,6 @@ def llama_greedy(llm: Any, ids: Sequence[int], n: int) -> tuple[list[int], np.nd
 
 # -- prompts ---------------------------------------------------------------------------------------
 
-_WORDS = ("the of and to in is was for on that with as by at from it an were are which this be or "
-          "BitNet ternary weights llama quantization block row scale 1.58 2B-4T 12345 3.14159 1,000,000 "
-          "naïve café Zürich 日本語 Ωmega — “quoted” (paren) [bracket] {brace} x=y+z; foo_bar() #hash "
-          "@at $9.99 100% it's they'll I'm we've don't CAPS MiXeD e.g. ... !? \n \n\n \t   ").split(" ")
-
 # Edge cases for the tokenizers beyond the generated prompts.
 TOKENIZER_TEXTS = [
     "", " ", "  leading spaces", "trailing spaces   ", "\n", "line one\nline two\r\nthree", "\ttab\t",
@@ -189,17 +185,6 @@ TOKENIZER_TEXTS = [
     "emoji 🦙🤖 and ZWJ 👩‍💻", "<|begin_of_text|>literal special text<|eot_id|>", "<s> </s> <unk>",
     "it's they'll I'M we'VE", "a" * 100, "   \n\n\t  mixed   whitespace \n", "x=y+z; foo_bar(baz) -> qux",
 ]
-
-
-def prompt_text(tokenize: Any, n_tokens: int, seed: int) -> str:
-    """Deterministic text of about n_tokens tokens (at least that many) under `tokenize`."""
-    rng = np.random.default_rng(seed)
-    words: list[str] = []
-    while True:
-        words.extend(rng.choice(_WORDS, 8))
-        text = " ".join(words)
-        if len(tokenize(text)) >= n_tokens:
-            return text
 
 
 # -- the comparison ----------------------------------------------------------------------------------
@@ -284,12 +269,7 @@ def compare_prompts(ours: Any, llm: Any, prompts: Sequence[Sequence[int]], rule:
 
 
 def prompts_for(lab: Lab, name: str, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
-    eng = lab.ours(name, "none")
-    return [eng.tokenize(prompt_text(eng.tokenize, n, seed + i)) for i, n in enumerate(lengths)]
-
-
-LONG = (10, 50, 200)  # prompt lengths for the float comparisons: every position must agree
-SHORT = tuple(range(10, 42, 2))  # 16 prompts for the block256 statistics
+    return crossval_prompts(lab.ours(name, "none").tokenize, lengths, seed)
 
 
 # -- tokenization ----------------------------------------------------------------------------------

@@ -181,6 +181,24 @@ def test_strict_mode_refuses_a_partial_backend_at_load(monkeypatch: pytest.Monke
         ReferenceProvider().record_fallback("act_mul", "no relu2 kernel")
 
 
+def test_the_int8_lm_head_falls_back_like_any_operation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every operation but lm_head_q8, as the GPU backends: the int8 head runs on the host, counted, to the bit.
+    class NoQ8(ReferenceProvider):
+        lm_head_q8 = KernelProvider.lm_head_q8
+
+    model = random_model(seed=5, n_layers=N_LAYERS)
+    p = NoQ8()
+    got = Transformer(model, p, 16, "row", lm_head="q8").forward(IDS, 0, all_logits=True)
+    want = Transformer(model, ReferenceProvider(), 16, "row", lm_head="q8").forward(IDS, 0, all_logits=True)
+    np.testing.assert_array_equal(got, want)
+    assert fallback_counts(p) == {"lm_head_q8": 1}
+    # Strict mode refuses it at load, and only when the model runs the int8 head.
+    monkeypatch.setenv("BITNET_STRICT_MODE", "1")
+    Transformer(model, NoQ8(), 16, "row", lm_head="f16")
+    with pytest.raises(NoBackendError, match="would run lm_head_q8 on the host"):
+        Transformer(model, NoQ8(), 16, "row", lm_head="q8")
+
+
 def test_a_device_provider_falls_back_through_its_own_handles() -> None:
     """A real GPU provider with rope and attention left to core: the same logits, counted fallbacks."""
     registry = Registry()

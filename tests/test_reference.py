@@ -7,7 +7,7 @@ import pytest
 
 from bitnet.errors import UsageError
 from bitnet.modelfile.ternary import TernaryMatrix, from_values
-from bitnet.runtime.reference import ReferenceProvider
+from bitnet.runtime.reference import ReferenceProvider, q8_table
 from bitnet_cpu.provider import CpuProvider
 
 MODES = ("row", "block256", "none")
@@ -208,6 +208,34 @@ def test_elementwise_ops_match_formulas() -> None:
     assert p.argmax(logits).tolist() == [1, 0]  # first index on ties
     assert set(p.dispatches) >= {"ref.rmsnorm", "ref.act_mul", "ref.add", "ref.rows", "ref.embed",
                                  "ref.lm_head", "ref.argmax"}
+
+
+def test_q8_lm_head_follows_the_spec() -> None:
+    # The table: per row q = clamp(rint(w * 127/max|w|)) in float32, scale = 1/s; a zero row stays zero.
+    rng = np.random.default_rng(9)
+    table = (rng.standard_normal((50, 96)) * 0.05).astype(np.float16)
+    table[3] = 0
+    table[4, 5] = 65504.0  # one huge value: the rest of its row rounds to small codes
+    t = q8_table(table)
+    w = table.astype(np.float32)
+    amax = np.abs(w).max(axis=1)
+    s = np.float32(127) / np.where(amax > 0, amax, np.float32(127))
+    np.testing.assert_array_equal(t.q, np.clip(np.rint(w * s[:, None]), -127, 127).astype(np.int8))
+    np.testing.assert_array_equal(t.scale, np.float32(1) / s)
+    assert t.q.dtype == np.int8 and not t.q[3].any() and np.abs(t.q[np.arange(50) != 3]).max(axis=1).min() == 127
+    # The logits: the activations' row codes times the table's, summed exactly (int64 here), then
+    # * scale / s in float64.
+    x = rng.standard_normal((3, 96)).astype(np.float32) * 4
+    ax = np.abs(x).max(axis=1)
+    sx = np.float32(127) / ax
+    qx = np.clip(np.rint(x * sx[:, None]), -128, 127).astype(np.int64)
+    isum = qx @ t.q.astype(np.int64).T
+    want = (isum * t.scale.astype(np.float64) / sx.astype(np.float64)[:, None]).astype(np.float32)
+    got = ReferenceProvider().lm_head_q8(x, t)
+    np.testing.assert_array_equal(got, want)
+    f16 = ReferenceProvider().lm_head(x, table)
+    ok = np.arange(50) != 4  # the row with one huge value kept little else
+    assert np.abs(got - f16)[:, ok].max() < 0.02 * np.abs(f16[:, ok]).max()
 
 
 # -- the CPU provider against the reference, op by op --------------------------------------------

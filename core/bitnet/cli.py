@@ -153,10 +153,15 @@ _model_option = click.option(
 _act_quant_option = click.option(
     "--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True,
     help="Activation quantization: BitNet per-row int8, llama.cpp's per-256 Q8_K, or float.")
+_quant_options = _options(
+    _act_quant_option,
+    click.option("--lm-head", type=click.Choice(["f16", "q8", "auto"]), default="auto", show_default=True,
+                 help="LM head: the file's float table (f16), an int8 copy built at load (q8: half the bytes "
+                      "per token, slightly less accurate), or auto (q8 if the file stores it quantized, else f16)."))
 _context_options = _options(
     click.option("--n-ctx", type=click.IntRange(min=1), default=None,
                  help="Context length (default: the model's, at most 4096)."),
-    _act_quant_option)
+    _quant_options)
 # bitnet.runtime.sampling has their semantics.
 _sampling_options = _options(
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy."),
@@ -194,7 +199,7 @@ def _extra_sampling(engine: Any, min_p: float, repeat_penalty: float, presence_p
 def chat(ctx: click.Context, model: str | None, system: str | None, chat_template: str | None, max_tokens: int,
          temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, presence_penalty: float,
          frequency_penalty: float, ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str,
-         verbose: bool) -> None:
+         lm_head: str, verbose: bool) -> None:
     """Chat with a model: replies stream; the KV cache carries over between turns.
 
     On a terminal: /clear, /system TEXT, /exit (or Ctrl-D); Ctrl-C stops the reply being written.
@@ -206,7 +211,7 @@ def chat(ctx: click.Context, model: str | None, system: str | None, chat_templat
 
     with _load_progress() as progress:
         engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant, progress=progress,
-                      chat_template=chat_template)
+                      chat_template=chat_template, lm_head=lm_head)
     with engine:
         click.echo(engine.summary, err=True)
         if engine.chat_template.note or verbose:
@@ -231,8 +236,8 @@ def chat(ctx: click.Context, model: str | None, system: str | None, chat_templat
 @click.pass_context
 def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, temperature: float, top_k: int,
         top_p: float, min_p: float, repeat_penalty: float, presence_penalty: float, frequency_penalty: float,
-        ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str, stop: tuple[str, ...],
-        receipt: str | None) -> None:
+        ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str, lm_head: str,
+        stop: tuple[str, ...], receipt: str | None) -> None:
     """Generate text: it streams to stdout; selection and timings go to stderr."""
     try:
         prompt.encode("utf-8")
@@ -247,7 +252,7 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
     try:
         with _load_progress() as progress:
             engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant,
-                          progress=progress)
+                          progress=progress, lm_head=lm_head)
     except NoBackendError as exc:
         if receipt:  # a fake device is selected but cannot run: its receipt says compute_path fake
             _write_fake_receipt(receipt, ctx.obj["device"], str(exc), sampling, act_quant, n_ctx)
@@ -362,7 +367,7 @@ def _names(values: tuple[str, ...] | str | None) -> list[str]:
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed, the same for every run.")
-@_act_quant_option
+@_quant_options
 @click.option("--determinism", is_flag=True, help="Gate: every run of a prompt gives the same text.")
 @click.option("--min-decode-tps", type=float, default=None, help="Gate: median decode tokens/s per backend.")
 @click.option("--max-wall-ms", type=float, default=None, help="Gate: p95 wall time of one run, per backend.")
@@ -375,7 +380,7 @@ def _names(values: tuple[str, ...] | str | None) -> list[str]:
 @click.pass_context
 def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: tuple[str, ...],
           max_tokens: int, repetitions: int, warmup: int, temperature: float, top_k: int, top_p: float,
-          seed: int | None, act_quant: str, determinism: bool, min_decode_tps: float | None,
+          seed: int | None, act_quant: str, lm_head: str, determinism: bool, min_decode_tps: float | None,
           max_wall_ms: float | None, require: tuple[str, ...], out: str | None,
           receipts_dir: str | None) -> None:
     """Measure fixed prompts on each backend: a table on stdout; gates exit 5, a missing --require 3."""
@@ -386,8 +391,8 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
     config = harness.BenchConfig(
         requests=_names(devices or ctx.obj["device"]) or None, model=model, max_tokens=max_tokens,
         repetitions=repetitions, warmup=warmup, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        act_quant=act_quant, determinism=determinism, receipts_dir=receipts_dir, required=_names(require),
-        prompts=prompts or harness.PROMPTS)
+        act_quant=act_quant, lm_head=lm_head, determinism=determinism, receipts_dir=receipts_dir,
+        required=_names(require), prompts=prompts or harness.PROMPTS)
     report = harness.run(config, log=lambda line: click.echo(line, err=True))
     click.echo(harness.table(report))
     if out:
@@ -421,13 +426,13 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
 @click.option("--model-alias", default=None, help="The model name clients use. Default: the file's name.")
 @click.option("--chat-template", default=None, metavar="NAME|FILE",
               help="bitnet, llama3, chatml, falcon3, zephyr, or a Jinja file. Default: the model's own.")
-@_act_quant_option
+@_quant_options
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="On SIGTERM, seconds in-flight requests may take to finish before they are cancelled.")
 @click.pass_context
 def serve(ctx: click.Context, model: str | None, host: str, port: int, parallel: int, n_ctx: int | None,
           max_queue: int, api_key: str | None, model_alias: str | None, chat_template: str | None,
-          act_quant: str, shutdown_timeout: float) -> None:
+          act_quant: str, lm_head: str, shutdown_timeout: float) -> None:
     """Serve the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from bitnet.server import missing_server_modules
 
@@ -440,7 +445,7 @@ def serve(ctx: click.Context, model: str | None, host: str, port: int, parallel:
     settings = server_app.Settings(
         model=model, device=ctx.obj["device"], n_ctx=n_ctx, parallel=parallel, max_queue=max_queue,
         api_key=api_key or None, model_alias=model_alias, chat_template=chat_template, act_quant=act_quant,
-        shutdown_timeout=shutdown_timeout, debug=ctx.obj["debug"])
+        lm_head=lm_head, shutdown_timeout=shutdown_timeout, debug=ctx.obj["debug"])
     server_app.run(settings, host, port)
 
 

@@ -93,6 +93,7 @@ class Model:
     output: np.ndarray | None  # LM head [vocab, dim], None when tied to token_embd
     layers: list[LayerWeights]
     weight_types: dict[str, int]  # tensor count per ggml type name
+    head_type: str  # ggml type name of the LM head as stored: output.weight, else token_embd.weight
     n_params: int
     file_size: int
 
@@ -556,5 +557,6 @@ def _build(path: str, reader: _Reader, progress: Callable[[int, int], None] | No
         path=path, config=cfg, metadata=md, token_embd=token_embd,
         output_norm=_float_tensor(tensors["output_norm.weight"]), output=output, layers=layers,
         weight_types=dict(Counter(type_name(int(t.tensor_type)) for t in reader.tensors)),
+        head_type=type_name(int(tensors.get("output.weight", tensors["token_embd.weight"]).tensor_type)),
         n_params=sum(t.n_elements for t in reader.tensors), file_size=len(reader.data),
     )

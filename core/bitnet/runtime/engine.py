@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.runtime.provider import ACT_QUANT_MODES
+from bitnet.runtime.provider import ACT_QUANT_MODES, LM_HEADS
 from bitnet.runtime.sampling import Sampler, check_logit_bias
 
 SAMPLING_OPTIONS = frozenset({"min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n",
@@ -61,7 +61,7 @@ class Stats:
 
 def load(path: str | os.PathLike[str] | None = None, device: str | None = None, n_ctx: int | None = None,
          act_quant: str = "row", progress: Callable[[int, int], None] | None = None,
-         chat_template: str | None = None, n_seqs: int = 1) -> Engine:
+         chat_template: str | None = None, n_seqs: int = 1, lm_head: str = "auto") -> Engine:
     """Select a device (docs/design.md section 3), load the GGUF model onto it, return an Engine.
 
     path None is the embedded default model: a small *synthetic* model (random ternary
@@ -71,6 +71,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     "row" (BitNet b1.58), "block256" (llama.cpp's Q8_K) or "none" (float). chat_template names a
     built-in (bitnet, llama3, chatml, falcon3, zephyr) or a Jinja file, in place of the model's own.
     n_seqs is how many sequences can run at once (generate_batch, Scheduler), each with n_ctx positions.
+    lm_head is "f16" (the file's float LM-head table as it is), "q8" (an int8 copy built at load: half
+    the bytes per token, a little accuracy) or "auto": q8 when the file stores the head quantized, else f16.
     """
     from bitnet.modelfile.hub import resolve_model_path
     from bitnet.modelfile.model import load_model
@@ -84,6 +86,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     if act_quant not in ACT_QUANT_MODES:
         raise UsageError(f"unknown activation quantization {act_quant!r}; expected one of "
                          f"{', '.join(ACT_QUANT_MODES)}")
+    if lm_head not in LM_HEADS:
+        raise UsageError(f"unknown LM head {lm_head!r}; expected one of {', '.join(LM_HEADS)}")
     if n_ctx is not None and n_ctx < 1:
         raise UsageError(f"n_ctx must be at least 1, got {n_ctx}")
     if isinstance(n_seqs, bool) or not isinstance(n_seqs, int) or n_seqs < 1:
@@ -101,13 +105,22 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
             n_ctx = min(model.config.n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
         check_kv_fits(model.config, n_ctx, *kv_home(provider, selection.device), n_seqs=n_seqs)
         template = templates.choose(model.metadata, tokenizer.has_token, chat_template)
-        transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs)
+        transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs, choose_lm_head(lm_head, model.head_type))
     except BaseException:
         provider.close()
         raise
     load_ms = (time.perf_counter() - t0) * 1e3
     return Engine(selection, provider, model, tokenizer, transformer, load_ms=load_ms, chat_template=template,
                   name=Path(path).name)
+
+
+def choose_lm_head(lm_head: str, head_type: str) -> str:
+    """The LM head to run for a file whose head tensor has ggml type `head_type`. For "auto": q8 when it
+    is stored quantized (Q8_0, Q6_K, ...: it already gave up F16 precision, and int8 reads half the
+    bytes of F16), else f16 (the head as trained: no accuracy is given away unasked)."""
+    if lm_head != "auto":
+        return lm_head
+    return "f16" if head_type in ("F16", "F32", "BF16") else "q8"
 
 
 def kv_cache_bytes(config: ModelConfig, n_ctx: int, n_seqs: int = 1) -> int:

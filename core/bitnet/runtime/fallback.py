@@ -23,12 +23,12 @@ import numpy as np
 from bitnet.errors import NoBackendError
 from bitnet.plugins.registry import env_flag
 from bitnet.runtime.provider import OPERATIONS, KernelProvider, native_operations
-from bitnet.runtime.reference import ReferenceProvider
+from bitnet.runtime.reference import ReferenceProvider, q8_table
 
 # How many leading arguments of each operation are activation handles; the rest (weights,
 # the KV cache, token ids, numbers) are already where the reference reads them.
 HANDLE_ARGS = {"embed": 0, "rmsnorm": 1, "rope": 1, "attention": 3, "act_mul": 2, "add": 2, "rows": 1,
-               "lm_head": 1, "argmax": 1}
+               "lm_head": 1, "lm_head_q8": 1, "argmax": 1}
 
 
 def not_implemented(backend: str) -> str:
@@ -55,7 +55,10 @@ def host_reference(provider: KernelProvider) -> ReferenceProvider:
 
 
 def place_weight(provider: KernelProvider, op: str, a: np.ndarray) -> Any:
-    """A float weight read by `op`: uploaded when the provider runs `op`, else the host array itself."""
+    """A float weight read by `op`: uploaded when the provider runs `op`, else the host array itself.
+    For lm_head_q8, the int8 copy of the table, built by that side."""
+    if op == "lm_head_q8":
+        return provider.upload_q8(a) if op in native_operations(provider) else q8_table(a)
     return provider.upload_float(a) if op in native_operations(provider) else a
 
 
@@ -73,7 +76,8 @@ def refuse_in_strict_mode(backend: str, ops: Sequence[str], reason: str) -> None
                              f"{', '.join(ops)} on the host ({reason})")
 
 
-def refuse_partial_in_strict_mode(provider: KernelProvider) -> None:
-    """The load-time check: under strict mode a partial backend fails before any compute."""
-    missing = [op for op in OPERATIONS if op not in native_operations(provider)]
+def refuse_partial_in_strict_mode(provider: KernelProvider, ops: Sequence[str] = OPERATIONS) -> None:
+    """The load-time check: under strict mode a backend that lacks one of `ops` (what the model will
+    run) fails before any compute."""
+    missing = [op for op in ops if op not in native_operations(provider)]
     refuse_in_strict_mode(provider.backend, missing, not_implemented(provider.backend))

@@ -16,7 +16,8 @@ Only `bitlinear` is required. Every other operation a provider class does not ov
 on the host CPU through the NumPy reference (bitnet.runtime.fallback), and each such call
 is counted in `fallbacks` with its reason (docs/design.md section 2). The memory methods
 default to host NumPy arrays, which is what a CPU backend wants; a device backend overrides
-all five (`upload_ternary`, `upload_float`, `kv_cache`, `to_host`, `from_host`).
+all five (`upload_ternary`, `upload_float`, `kv_cache`, `to_host`, `from_host`), and `upload_q8`
+if it runs `lm_head_q8`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ ACT_QUANT_MODES = ("row", "block256", "none")
 ACTIVATIONS = ("silu", "relu2")
 # The operations of a forward pass and of greedy sampling: what a provider may implement.
 OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "add", "rows", "lm_head",
-              "argmax")
+              "lm_head_q8", "argmax")
+# The LM head a model runs with (docs/design.md section 4): its float table, or an int8 copy ("auto" picks).
+LM_HEADS = ("f16", "q8", "auto")
 
 
 class KernelProvider(ABC):
@@ -67,6 +70,13 @@ class KernelProvider(ABC):
         """Make a float tensor resident (norm weights F32; embedding / LM head F16 or F32)."""
         # Keeps an mmap'd table as a view: on the host, the page cache is the resident copy.
         return np.asarray(a)
+
+    def upload_q8(self, table: np.ndarray) -> Any:
+        """Build the int8 copy of a float [vocab, dim] LM-head table (docs/design.md section 4) and make
+        it resident: what lm_head_q8 reads. The table must equal the reference's, q8_table(table)."""
+        from bitnet.runtime.reference import q8_table
+
+        return q8_table(table)
 
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> Any:
         """Allocate the K and V cache of every layer for n_seqs sequence slots of n_ctx positions each
@@ -145,6 +155,14 @@ class KernelProvider(ABC):
     def lm_head(self, x: Any, table: Any) -> Any:
         """x [n, dim] times the uploaded [vocab, dim] table transposed -> logits [n, vocab]."""
         return self._on_host("lm_head", x, table)
+
+    def lm_head_q8(self, x: Any, table: Any) -> Any:
+        """x [n, dim] times an int8 table (from upload_q8: codes q [vocab, dim], scale [vocab]) -> logits [n, vocab].
+
+        Each row of x is quantized as BitLinear's "row" mode does (q_x, s); y[t, r] = sum(q_x[t] * q[r])
+        * scale[r] / s[t], the integer sum exact, the rest in float64 in that order, then float32.
+        """
+        return self._on_host("lm_head_q8", x, table)
 
     def argmax(self, logits: Any) -> np.ndarray:
         """Index of the largest logit of each row (first on ties), on the host as int64 [n]."""

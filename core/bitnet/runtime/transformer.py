@@ -10,7 +10,7 @@ import numpy as np
 from bitnet.errors import ModelError, UsageError
 from bitnet.modelfile.ternary import TernaryMatrix
 from bitnet.runtime.fallback import kv_cache_for, place_weight, refuse_partial_in_strict_mode
-from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider, native_operations
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, OPERATIONS, KernelProvider, native_operations
 
 if TYPE_CHECKING:
     from bitnet.modelfile.model import Model
@@ -42,7 +42,11 @@ class Transformer:
     host and are not uploaded.
     """
 
-    def __init__(self, model: Model, provider: KernelProvider, n_ctx: int, act_quant: str, n_seqs: int = 1) -> None:
+    def __init__(self, model: Model, provider: KernelProvider, n_ctx: int, act_quant: str, n_seqs: int = 1,
+                 lm_head: str = "f16") -> None:
+        """lm_head "f16" runs the model's float LM-head table as it is, "q8" an int8 copy built here."""
+        if lm_head not in ("f16", "q8"):
+            raise UsageError(f"unknown LM head {lm_head!r}; expected f16 or q8")
         if act_quant not in ACT_QUANT_MODES:
             raise UsageError(f"unknown activation quantization {act_quant!r}; expected one of "
                              f"{', '.join(ACT_QUANT_MODES)}")
@@ -54,13 +58,18 @@ class Transformer:
         if cfg.activation not in ACTIVATIONS:
             raise ModelError(f"unsupported FFN activation {cfg.activation!r}")
         self.config, self.provider, self.n_ctx, self.act_quant = cfg, provider, n_ctx, act_quant
-        refuse_partial_in_strict_mode(provider)  # before anything is uploaded or computed
+        self.lm_head_format = lm_head
+        unused = "lm_head" if lm_head == "q8" else "lm_head_q8"
+        # Before anything is uploaded or computed.
+        refuse_partial_in_strict_mode(provider, [op for op in OPERATIONS if op != unused])
         p, native = provider, native_operations(provider)
         self.token_embd = place_weight(p, "embed", model.token_embd)
-        if model.output is None and ("embed" in native) == ("lm_head" in native):
+        head = model.token_embd if model.output is None else model.output
+        if lm_head == "q8":
+            self.lm_head: Any = place_weight(p, "lm_head_q8", head)
+        elif model.output is None and ("embed" in native) == ("lm_head" in native):
             self.lm_head = self.token_embd  # tied, and both read from the same side: one copy
         else:
-            head = model.token_embd if model.output is None else model.output
             self.lm_head = place_weight(p, "lm_head", head)
         self.output_norm = place_weight(p, "rmsnorm", model.output_norm)
 
@@ -137,7 +146,8 @@ class Transformer:
             return None
         if len(rows) != n or (rows != np.arange(n)).any():
             x = p.rows(x, rows)
-        return p.lm_head(p.rmsnorm(x, self.output_norm, eps), self.lm_head)
+        head = p.lm_head_q8 if self.lm_head_format == "q8" else p.lm_head
+        return head(p.rmsnorm(x, self.output_norm, eps), self.lm_head)
 
     def _check_batch(self, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
         n, vocab = len(ids), self.config.vocab_size

@@ -92,7 +92,7 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
     Native operations check the provider's kernels; fallback operations check that activations
     cross to the host and back (`to_host`, `from_host`) intact. Returns operation_support.
     """
-    from bitnet.runtime.reference import ReferenceProvider
+    from bitnet.runtime.reference import ReferenceProvider, q8_table
 
     ref = ReferenceProvider()
     rng = np.random.default_rng(seed)
@@ -108,6 +108,7 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
     table = rng.standard_normal((vocab, dim)).astype(np.float16)
     # Weights go where the transformer puts them: on the device only for a native operation.
     embd, head = place_weight(provider, "embed", table), place_weight(provider, "lm_head", table)
+    head_q8 = place_weight(provider, "lm_head_q8", table)
     ids = rng.integers(0, vocab, size=5).astype(np.int32)
     same("embed", provider.embed(embd, ids), ref.embed(table, ids))
     for n in (1, 7):
@@ -126,6 +127,7 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
         index = np.array([n - 1], np.int32) if n == 1 else np.array([0, 2, n - 1], np.int32)
         same("rows", provider.rows(xg, index), ref.rows(x, index))
         same("lm_head", provider.lm_head(xg, head), ref.lm_head(x, table))
+        same("lm_head_q8", provider.lm_head_q8(xg, head_q8), ref.lm_head_q8(x, q8_table(table)))
         got_arg, want_arg = provider.argmax(provider.lm_head(xg, head)), ref.argmax(ref.lm_head(x, table))
         assert list(got_arg) == list(want_arg), f"argmax: {list(got_arg)} != reference {list(want_arg)}"
         xq, w3 = _random_case(rng, n, 384, 512)

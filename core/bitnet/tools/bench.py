@@ -93,6 +93,7 @@ class BenchConfig:
     top_p: float = 1.0
     seed: int | None = None
     act_quant: str = "row"
+    lm_head: str = "auto"
     determinism: bool = False
     receipts_dir: str | None = None
     required: Sequence[str] = ()  # backends that must run; benchmarked even when not requested
@@ -140,7 +141,7 @@ def _bench_backend(request: str, config: BenchConfig, seen: set[str],
 
     result = BackendResult(request)
     try:
-        engine = load(config.model, device=request, act_quant=config.act_quant)
+        engine = load(config.model, device=request, act_quant=config.act_quant, lm_head=config.lm_head)
     except NoBackendError as exc:
         result.skipped = str(exc)
         log(f"{request}: skipped: {exc}")

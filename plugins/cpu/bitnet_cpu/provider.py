@@ -3,10 +3,10 @@
 Ternary weights stay packed (2 bits each, the canonical layout is also the kernel's layout),
 TQ2_0 and I2_S in place in the memory-mapped file.
 BitLinear quantizes activations to int8 and runs the SIMD integer kernels of
-`ternary_kernels`, built for the instruction-set level `isa.choose()` picks; the F16 LM head
-and RMSNorm run in `float_kernels`. Unquantized ("none") BitLinear keeps the NumPy path: it
-unpacks a chunk of rows at a time through a 256-entry table into float32 and multiplies with
-BLAS. numba is imported when a provider is opened, never by `import bitnet_cpu`, and compiles
+`ternary_kernels`, built for the instruction-set level `isa.choose()` picks; the F16 LM head,
+its int8 twin and RMSNorm run in `float_kernels`. Unquantized ("none") BitLinear keeps the
+NumPy path: it unpacks a chunk of rows at a time through a 256-entry table into float32 and
+multiplies with BLAS. numba is imported when a provider is opened, never by `import bitnet_cpu`, and compiles
 each kernel on first use into its disk cache.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from bitnet.errors import UsageError
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime.provider import ACTIVATIONS
-from bitnet.runtime.reference import ReferenceProvider, check_act_quant, store_kv
+from bitnet.runtime.reference import Q8Table, ReferenceProvider, check_act_quant, quantize_rows, store_kv
 
 from . import float_kernels as fk
 from . import isa as isa_levels
@@ -168,6 +168,24 @@ class CpuProvider(ReferenceProvider):
         else:
             self.record("cpu.lm_head_f32")
             fk.lm_head_f32(x, np.ascontiguousarray(table, dtype=np.float32), _LM_HEAD_ROWS, out)
+        return out
+
+    def upload_q8(self, table: np.ndarray) -> Q8Table:
+        self._use_threads()
+        table = np.asarray(table)
+        q, scale = np.empty(table.shape, np.int8), np.empty(table.shape[0], np.float32)
+        if table.dtype == np.float16:
+            fk.q8_table_f16(np.ascontiguousarray(table).view(np.uint16), q, scale)
+        else:
+            fk.q8_table_f32(np.ascontiguousarray(table, dtype=np.float32), q, scale)
+        return Q8Table(q, scale)
+
+    def lm_head_q8(self, x: Any, table: Q8Table) -> Any:
+        self.record("cpu.lm_head_q8")
+        self._use_threads()
+        q, s = quantize_rows(x)  # NumPy: a few rows, and the reference's own rounding
+        out = np.empty((q.shape[0], table.shape[0]), dtype=np.float32)
+        fk.lm_head_q8(q.astype(np.int16), s, table.q, table.scale, _LM_HEAD_ROWS, out)
         return out
 
     def rmsnorm(self, x: Any, w: Any, eps: float) -> Any:
