@@ -14,6 +14,21 @@ BITNET_ENV = ("BITNET_DEVICE", "BITNET_GPU_FAKE", "BITNET_STRICT_MODE", "BITNET_
               "BITNET_PLUGINS_STRICT", "BITNET_OPENCL_PLATFORM")
 
 
+def opencl_platforms() -> list[str]:
+    """Names of the OpenCL platforms that have a device (PoCL, and Intel's CPU runtime where installed)."""
+    try:
+        import pyopencl as cl
+
+        from bitnet_opencl.icd import use_installed_runtimes
+    except ImportError:
+        return []
+    use_installed_runtimes()  # before this process's first OpenCL call, so Intel's runtime is listed too
+    try:
+        return [p.name.strip() for p in cl.get_platforms() if p.get_devices()]
+    except cl.Error:
+        return []
+
+
 def cli_env(**overrides: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in BITNET_ENV}
     env.update(overrides)

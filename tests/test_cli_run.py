@@ -40,6 +40,8 @@ def test_run_on_the_default_model(env, device):
     assert f"requested={device} " in r.stderr and f"selected={device}" in r.stderr
     assert "prompt eval time" in r.stderr and "tokens per second" in r.stderr
     assert r.stdout.endswith("\n")
+    # The trained default model writes words: letters, and no bytes that are not UTF-8.
+    assert sum(c.isalpha() for c in r.stdout) >= 4 and "\ufffd" not in r.stdout, r.stdout
 
 
 def test_greedy_text_is_the_same_on_cpu_and_opencl(env, model):

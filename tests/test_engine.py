@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,21 +146,6 @@ def test_fake_device_cannot_run(cpu_env: None, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("BITNET_GPU_FAKE", "cuda")
     with pytest.raises(NoBackendError):
         bitnet.load(device="cuda")
-
-
-def test_default_model_is_written_once_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bitnet.modelfile import default_model
-    from bitnet.modelfile.model import load_model
-
-    monkeypatch.setenv("BITNET_CACHE_DIR", str(tmp_path))
-    with ThreadPoolExecutor(3) as pool:
-        paths = set(pool.map(lambda _: default_model.path(), range(3)))
-    assert len(paths) == 1
-    (path,) = paths
-    assert os.listdir(tmp_path) == [os.path.basename(path)]  # no temporary files left behind
-    mtime = os.stat(path).st_mtime_ns
-    assert default_model.path() == path and os.stat(path).st_mtime_ns == mtime
-    assert load_model(path).config.n_layers == default_model.SPEC_FIELDS["n_layers"]
 
 
 def test_import_bitnet_stays_light() -> None:

@@ -40,25 +40,13 @@ from bitnet.errors import NoBackendError, UsageError
 from bitnet.modelfile.ternary import from_values
 from bitnet.modelfile.writer import SyntheticSpec, write_model
 from bitnet.testing import operation_support
-from conftest import cli_env, run_cli
+from conftest import cli_env, opencl_platforms, run_cli
 
 cl = pytest.importorskip("pyopencl")
 
-from bitnet_opencl.icd import use_installed_runtimes  # noqa: E402 (needs a working pyopencl)
 from bitnet_opencl.provider import OpenCLProvider  # noqa: E402
 
-use_installed_runtimes()  # before this process's first OpenCL call, so Intel's runtime is listed too
-
-
-def _platforms() -> list[str]:
-    """The platforms that have a device, by name."""
-    try:
-        return [p.name.strip() for p in cl.get_platforms() if p.get_devices()]
-    except cl.Error:
-        return []
-
-
-PLATFORMS = _platforms()
+PLATFORMS = opencl_platforms()
 pytestmark = [pytest.mark.opencl,
               pytest.mark.skipif(not PLATFORMS, reason="pyopencl finds no OpenCL platform with a device")]
 

@@ -27,24 +27,14 @@ from pathlib import Path
 import pytest
 
 from bitnet.modelfile.writer import SyntheticSpec, write_model
-from conftest import cli_env, run_cli
+from conftest import cli_env, opencl_platforms, run_cli
 
 cl = pytest.importorskip("pyopencl")
 
 from bitnet_opencl import icd  # noqa: E402 (needs a working pyopencl)
 from bitnet_opencl.probe import device_features  # noqa: E402
 
-icd.use_installed_runtimes()  # before this process's first OpenCL call, so Intel's runtime is listed too
-
-
-def _platforms() -> list[str]:
-    try:
-        return [p.name.strip() for p in cl.get_platforms() if p.get_devices()]
-    except cl.Error:
-        return []
-
-
-PLATFORMS = _platforms()
+PLATFORMS = opencl_platforms()
 POCL = "Portable Computing Language"
 INTEL = "Intel(R) OpenCL"
 pytestmark = [pytest.mark.opencl, pytest.mark.skipif(not PLATFORMS, reason="no OpenCL device to probe")]

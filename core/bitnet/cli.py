@@ -149,7 +149,8 @@ def _options(*options: Any) -> Any:
 
 _model_option = click.option(
     "--model", "-m", default=None, metavar="PATH|hf://REPO[/FILE]",
-    help="GGUF model file or Hugging Face repo. Default: a small built-in synthetic model (random weights, gibberish).")
+    help="GGUF model file or Hugging Face repo. Default: the built-in model (a small BitNet b1.58 trained on "
+         "Shakespeare).")
 _act_quant_option = click.option(
     "--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True,
     help="Activation quantization: BitNet per-row int8, llama.cpp's per-256 Q8_K, or float.")
@@ -279,6 +280,31 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
                    f"({s.decode_tps:.2f} tokens per second)", err=True)
         if receipt:
             click.echo(f"receipt written to {receipt}", err=True)
+
+
+@main.command()
+@_model_option
+@click.argument("text_file", type=click.File("r", encoding="utf-8"), metavar="FILE")
+@click.option("--window", type=click.IntRange(min=1), default=None,
+              help="Positions per window (default: the context). Each window starts after a BOS.")
+@_context_options
+@click.pass_context
+def perplexity(ctx: click.Context, model: str | None, text_file: Any, window: int | None, n_ctx: int | None,
+               act_quant: str, lm_head: str) -> None:
+    """Perplexity of a UTF-8 text file ('-': stdin) under the model, as llama-perplexity measures it."""
+    from bitnet.runtime.engine import load
+    from bitnet.tools.perplexity import text_perplexity
+
+    try:
+        text = text_file.read()
+    except UnicodeDecodeError:
+        raise UsageError(f"{text_file.name} is not UTF-8 text") from None
+    with _load_progress() as progress:
+        engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant, lm_head=lm_head,
+                      progress=progress)
+    with engine:
+        click.echo(engine.summary, err=True)
+        click.echo(text_perplexity(engine, text, window))
 
 
 def _write_fake_receipt(path: str, request: str | None, reason: str, sampling: dict[str, Any], act_quant: str,

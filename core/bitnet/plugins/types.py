@@ -6,6 +6,7 @@ import os
 import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -92,3 +93,9 @@ def host_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def cache_dir() -> Path:
+    """Where bitnet and its plugins keep what they build once (compiled programs): BITNET_CACHE_DIR,
+    default ~/.cache/bitnet."""
+    return Path(os.environ.get("BITNET_CACHE_DIR") or Path.home() / ".cache" / "bitnet")

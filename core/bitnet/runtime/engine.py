@@ -64,8 +64,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
          chat_template: str | None = None, n_seqs: int = 1, lm_head: str = "auto") -> Engine:
     """Select a device (docs/design.md section 3), load the GGUF model onto it, return an Engine.
 
-    path None is the embedded default model: a small *synthetic* model (random ternary
-    weights, it writes gibberish) that exercises every code path. n_ctx defaults to the
+    path None is the embedded default model: a small BitNet b1.58 trained on Shakespeare's plays
+    (bitnet.modelfile.default_model), which writes Shakespeare-like text. n_ctx defaults to the
     model's training context, at most 4096; a larger n_ctx is allowed (RoPE extends to any
     position, quality beyond the training context is the caller's business). act_quant is
     "row" (BitNet b1.58), "block256" (llama.cpp's Q8_K) or "none" (float). chat_template names a

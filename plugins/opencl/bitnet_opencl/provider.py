@@ -63,7 +63,7 @@ def program_cache_dir(dev: cl.Device) -> Path | None:
         return base / "pocl" / "kcache"
     if driver_caches_builds(dev):
         return None
-    from bitnet.modelfile.default_model import cache_dir
+    from bitnet.plugins.types import cache_dir
 
     return cache_dir() / "opencl-programs"
 
