@@ -12,15 +12,18 @@ import math
 from collections.abc import Iterator
 
 import numpy as np
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 from bitnet.errors import ModelError
 from bitnet.modelfile.ternary import BLOCK, BYTES_PER_BLOCK, TernaryMatrix, from_values
 
-GGML_TQ1_0 = int(GGMLQuantizationType.TQ1_0)  # 34
-GGML_TQ2_0 = int(GGMLQuantizationType.TQ2_0)  # 35
+# ggml type ids (gguf's GGMLQuantizationType) and names of the types a loadable model holds: written out
+# so that loading a file the load cache knows never imports gguf (~0.05 s). test_load_cache checks them.
+GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
+GGML_TQ1_0 = 34
+GGML_TQ2_0 = 35
 GGML_I2_S = 36  # Microsoft bitnet.cpp; absent from gguf's enum
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
+                   11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 36: "I2_S"}
 
 TQ2_0_BLOCK_BYTES = 66  # qs[64], f16 d
 TQ1_0_BLOCK_BYTES = 54  # qs[48], qh[4], f16 d
@@ -85,12 +88,16 @@ def _check_scales(kind: str, scales: np.ndarray) -> None:
         raise ModelError(f"{kind} tensor has a NaN or infinite scale")
 
 
-def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
+def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int, check: bool = True) -> TernaryMatrix:
     """TQ2_0 bytes ([rows, cols/256*66] or flat) -> TernaryMatrix whose codes are a view of the
-    blocks' `qs` (already the canonical layout) in place: nothing is copied but the scales."""
+    blocks' `qs` (already the canonical layout) in place: nothing is copied but the scales.
+    Without `check` (data known good) the codes are not scanned for 0b11."""
     nb = cols // BLOCK
     _check_shape("TQ2_0", raw, rows, cols, rows * nb * TQ2_0_BLOCK_BYTES)
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, TQ2_0_BLOCK_BYTES)
+    if not check:
+        scales = blocks.reshape(-1).view(np.float16)[32::TQ2_0_BLOCK_BYTES // 2].astype(np.float32)
+        return TernaryMatrix(blocks[:, :, :64], scales.reshape(rows, nb))
     scales = np.empty(rows * nb, np.float32)
     for lo, chunk, bad in _code3_chunks(blocks.reshape(-1), TQ2_0_BLOCK_BYTES):
         if bad:
@@ -134,10 +141,11 @@ def tq1_0_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
     return TernaryMatrix(codes.reshape(rows, cols // 4), scales)
 
 
-def i2s_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
+def i2s_to_ternary(raw: np.ndarray, rows: int, cols: int, check: bool = True) -> TernaryMatrix:
     """I2_S bytes (n/4 codes, f32 scale at n/4, padding to n/4+32) -> TernaryMatrix whose codes
     are the I2_S bytes in place (fields_reversed). I2_S blocks run over the flat tensor, so rows
-    that are not whole 256-blocks (1bitLLM 3B) are decoded and repacked, zero-extended, instead."""
+    that are not whole 256-blocks (1bitLLM 3B) are decoded and repacked, zero-extended, instead.
+    Without `check` (data known good) the codes are not scanned for 0b11."""
     n = rows * cols
     _check_shape("I2_S", raw, rows, cols, i2s_nbytes(n), I2S_BLOCK)
     flat = np.asarray(raw, dtype=np.uint8).reshape(-1)
@@ -149,7 +157,7 @@ def i2s_to_ternary(raw: np.ndarray, rows: int, cols: int) -> TernaryMatrix:
         if np.any(packed & (packed >> 1) & 0x55):
             raise ModelError("I2_S tensor holds the invalid code 0b11")
         return from_values(i2s_values(packed).reshape(rows, cols), scale)
-    if any(bad for _, _, bad in _code3_chunks(packed, BYTES_PER_BLOCK)):
+    if check and any(bad for _, _, bad in _code3_chunks(packed, BYTES_PER_BLOCK)):
         raise ModelError("I2_S tensor holds the invalid code 0b11")
     scales = np.full((rows, cols // BLOCK), scale, dtype=np.float32)
     return TernaryMatrix(packed.reshape(rows, cols // 4), scales, fields_reversed=True)
@@ -211,14 +219,23 @@ def ternary_to_i2s(t: np.ndarray, scale: float) -> np.ndarray:
 
 def ternary_to_tq2_0(t: np.ndarray, scale: float) -> np.ndarray:
     """Ternary int8 [rows, cols] -> TQ2_0 bytes [rows, cols/256*66] via gguf's reference quantizer."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     return quantize(t.astype(np.float32) * np.float32(scale), GGMLQuantizationType.TQ2_0)
 
 
 def ternary_to_tq1_0(t: np.ndarray, scale: float) -> np.ndarray:
     """Ternary int8 [rows, cols] -> TQ1_0 bytes [rows, cols/256*54] via gguf's reference quantizer."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     return quantize(t.astype(np.float32) * np.float32(scale), GGMLQuantizationType.TQ1_0)
 
 
 def float32_to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> BF16 bytes (uint8, last axis doubled), rounding to nearest even as ggml does."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     return quantize(np.asarray(x, dtype=np.float32), GGMLQuantizationType.BF16)

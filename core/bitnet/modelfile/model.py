@@ -11,21 +11,22 @@ import dataclasses
 import math
 import mmap
 import os
-import struct
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField, ReaderTensor
-from gguf.quants import dequantize
 
 from bitnet.errors import ModelError
-from bitnet.modelfile import formats
+from bitnet.modelfile import formats, load_cache
 from bitnet.modelfile.ternary import TernaryMatrix
+
+if TYPE_CHECKING:  # gguf is imported only to read a file whole (gguf_reader), not for a cached one
+    from gguf.gguf_reader import ReaderTensor
+
+    from bitnet.modelfile.gguf_reader import Reader
 
 # Architecture -> default FFN activation. `llama` is what bitnet.cpp's converter writes for Llama3-8B-1.58
 # and the Falcon3 / Falcon-E 1.58-bit models (no sub-norms), accepted only with ternary projections.
@@ -34,22 +35,15 @@ ARCHITECTURES = {"bitnet": "silu", "bitnet-b1.58": "relu2", "bitnet-25": "relu2"
 _NO_SUB_NORMS = {"llama"}
 _ACT_NAMES = {"silu": "silu", "swish": "silu",
               "relu2": "relu2", "relu_squared": "relu2", "squared_relu": "relu2"}
-_MAX_DIMS = 4  # GGML_MAX_DIMS
-_MAX_ELEMENTS = 1 << 40  # far beyond any model this engine could hold; larger is a corrupt header
-_FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16), int(GGMLQuantizationType.BF16)}
+_FLOAT_TYPES = {formats.GGML_F32, formats.GGML_F16, formats.GGML_BF16}
 _TERNARY_TYPES = {formats.GGML_TQ1_0, formats.GGML_TQ2_0, formats.GGML_I2_S} | _FLOAT_TYPES
 # Quantized embedding types (llama-quantize writes Q4_K/Q6_K embeddings next to TQ projections):
 # decoded to float32 with gguf's reference code.
-_EMBD_QUANT_TYPES = {int(GGMLQuantizationType[n]) for n in
+_EMBD_QUANT_TYPES = {i for i, n in formats.GGML_TYPE_NAMES.items() if n in
                      ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 _PROJECTIONS = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
                 ("w_gate", "ffn_gate"), ("w_up", "ffn_up"), ("w_down", "ffn_down"))
 _LAYER_NORMS = ("attn_norm", "attn_sub_norm", "ffn_norm", "ffn_sub_norm")
-# bitnet.cpp's TL1/TL2 (its code generator's kernel-specific layouts) store each projection with a
-# companion "<name>.weight_scale" tensor; their type ids also moved between versions of its fork.
-_TL_HINT = ("a bitnet.cpp TL1/TL2 file (a layout tied to the kernels its code generator built for one "
-            "model and CPU); convert the model again with bitnet.cpp's setup_env.py -q i2_s (or "
-            "convert-hf-to-gguf-bitnet.py --outtype f32 then llama-quantize ... I2_S) to get an I2_S file")
 
 
 @dataclass(frozen=True)
@@ -99,155 +93,35 @@ class Model:
 
 
 def type_name(ggml_type: int) -> str:
-    if ggml_type == formats.GGML_I2_S:
-        return "I2_S"
+    name = formats.GGML_TYPE_NAMES.get(ggml_type)
+    if name is not None:
+        return name
+    from gguf import GGMLQuantizationType
+
     try:
         return GGMLQuantizationType(ggml_type).name
     except ValueError:
         return f"type {ggml_type}"
 
 
+def __getattr__(name: str) -> Any:
+    if name == "_Reader":  # the reader, for the tests and tools that use it directly
+        from bitnet.modelfile.gguf_reader import Reader
+
+        return Reader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # -- reading the container ----------------------------------------------------------------------
-
-_SCALAR_SIZES = {t: np.dtype(d).itemsize for t, d in GGUFReader.gguf_scalar_to_np.items()}
-_MIN_SIZE = {**_SCALAR_SIZES, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
-
-
-class _Reader(GGUFReader):
-    """gguf's reader, made strict: reads past the end, counts that cannot fit in the file and
-    absurd tensor headers raise instead of yielding short views or looping for ages, and
-    I2_S (ggml type 36) tensors are accepted."""
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        count = int(count)
-        end = int(offset) + np.dtype(dtype).itemsize * count
-        if count < 0 or end > len(self.data):
-            raise ModelError(f"truncated file: {count} x {np.dtype(dtype).name} at byte {offset} "
-                             f"runs past the end ({len(self.data)} bytes)")
-        # A plain ndarray view of the map: slicing np.memmap runs Python hooks per view, and a
-        # GGUF header takes thousands of them.
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = self.data.view(np.ndarray)
-        arr = plain[int(offset):end].view(dtype)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
-
-    def _fits(self, offs: int, count: int, min_size: int, what: str) -> None:
-        if int(count) * min_size > len(self.data) - offs:
-            raise ModelError(f"truncated or corrupt file: {int(count)} {what} at byte {offs} "
-                             f"cannot fit in {len(self.data)} bytes")
-
-    def _build_fields(self, offs: int, count: int) -> int:
-        self._fits(offs, count, 8 + 4 + 1, "metadata entries")
-        return super()._build_fields(offs, count)
-
-    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[ReaderField]]:
-        self._fits(offs, count, 8 + 4 + 8 + 4 + 8, "tensor infos")
-        return super()._build_tensor_info(offs, count)
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
-        try:
-            vtype = GGUFValueType(int(raw_type))
-        except ValueError:
-            raise ModelError(f"unknown metadata value type {int(raw_type)} at byte {orig_offs}") from None
-        if vtype == GGUFValueType.ARRAY:
-            item_type = int(self._get(orig_offs, np.uint32)[0])
-            if item_type not in {int(t) for t in _MIN_SIZE}:
-                raise ModelError(f"unknown metadata array type {item_type} at byte {orig_offs}")
-            count = int(self._get(orig_offs + 4, np.uint64)[0])
-            self._fits(orig_offs + 12, count, _MIN_SIZE[GGUFValueType(item_type)], "array items")
-            if item_type != GGUFValueType.ARRAY:
-                return self._array_parts(orig_offs, GGUFValueType(item_type), count)
-        return super()._get_field_parts(orig_offs, raw_type)
-
-    def _array_parts(self, orig_offs: int, item_type: GGUFValueType,
-                     count: int) -> tuple[int, list[Any], list[int], list[Any]]:
-        """A scalar or string array without gguf's one-view-per-item loop (which takes ~20 s for a
-        128k-token vocabulary). The parts are laid out so ReaderField.contents() still returns the
-        whole list: a scalar array is one part, a string array one part per string."""
-        head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
-        offs = orig_offs + 12
-        if item_type != GGUFValueType.STRING:
-            values = self._get(offs, self.gguf_scalar_to_np[item_type], count)
-            return 12 + int(values.nbytes), [*head, values], [2], [GGUFValueType.ARRAY, item_type]
-        # Parts are memoryview slices (contents() only calls .tobytes() on them): a third of the
-        # cost of one ndarray view per string, which matters for 400k tokens and merges.
-        buf, end = memoryview(self.data).cast("B"), len(self.data)
-        unpack_length = struct.Struct("<Q").unpack_from
-        strings = []
-        append = strings.append
-        try:  # a length past the end makes the next unpack fail, or the final check
-            for _ in range(count):
-                start = offs + 8
-                offs = start + unpack_length(buf, offs)[0]
-                append(buf[start:offs])
-        except struct.error:
-            offs = end + 1
-        if offs > end:
-            raise ModelError(f"truncated file: string array at byte {orig_offs} runs past the end")
-        parts = [*head, *strings]
-        return offs - orig_offs, parts, list(range(2, len(parts))), [GGUFValueType.ARRAY, item_type]
-
-    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        file_size = len(self.data)
-        tensors, names = [], set()
-        all_names = {bytes(f.parts[1]).decode("utf-8", errors="replace") for f in fields}
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            if name in names:
-                raise ModelError(f"tensor {name} appears twice")
-            names.add(name)
-            shape = [int(d) for d in dims]  # GGUF order: innermost (row length) first
-            if not 1 <= len(shape) <= _MAX_DIMS or any(d < 1 for d in shape):
-                raise ModelError(f"tensor {name} has invalid dimensions {shape}")
-            n = math.prod(shape)
-            if n > _MAX_ELEMENTS:
-                raise ModelError(f"tensor {name} has absurd dimensions {shape}")
-            ggml_type = int(raw_dtype[0])
-            if f"{name}_scale" in all_names and ggml_type not in _FLOAT_TYPES | {formats.GGML_I2_S}:
-                raise ModelError(f"tensor {name} (ggml type {ggml_type}) is {_TL_HINT}")
-            np_shape: tuple[int, ...] = tuple(reversed(shape))
-            item: type = np.uint8
-            if ggml_type == formats.GGML_I2_S:  # unknown to gguf: n/4 bytes of codes, then the scale slot
-                if n % formats.I2S_BLOCK:
-                    raise ModelError(f"tensor {name}: I2_S needs a multiple of {formats.I2S_BLOCK} values")
-                qtype: Any = ggml_type
-                n_bytes = formats.i2s_nbytes(n)
-                np_shape = (n_bytes,)
-            else:
-                try:
-                    qtype = GGMLQuantizationType(ggml_type)
-                except ValueError:
-                    raise ModelError(f"tensor {name} has unknown ggml type {ggml_type}") from None
-                block, size = GGML_QUANT_SIZES[qtype]
-                if shape[0] % block:
-                    raise ModelError(f"tensor {name}: row of {shape[0]} is not a multiple of "
-                                     f"the {qtype.name} block of {block}")
-                n_bytes = n // block * size
-                if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                    item = np.float32 if qtype == GGMLQuantizationType.F32 else np.float16
-                else:  # raw bytes, rows kept: [..., bytes per row]
-                    np_shape = (*np_shape[:-1], shape[0] // block * size)
-            offset = int(offset_tensor[0])
-            if offset % self.alignment:
-                raise ModelError(f"tensor {name}: data offset {offset} is not aligned to {self.alignment}")
-            data_offs = start_offs + offset
-            if data_offs + n_bytes > file_size:
-                raise ModelError(f"tensor {name}: data (bytes {data_offs}..{data_offs + n_bytes}) "
-                                 f"runs past the end of the file ({file_size} bytes)")
-            data = self._get(data_offs, item, n_bytes // np.dtype(item).itemsize).reshape(np_shape)
-            tensors.append(ReaderTensor(name, qtype, dims, n, n_bytes, data_offs, data, field))
-        self.tensors = tensors
-
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text if isinstance(e, ModelError) else f"{type(e).__name__}: {text}"
 
 
-def _open(path: str) -> _Reader:
+def _open(path: str) -> Reader:
+    from bitnet.modelfile.gguf_reader import Reader
+
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -264,21 +138,68 @@ def _open(path: str) -> _Reader:
         raise ModelError(f"{path}: unsupported GGUF version {version} (this reads versions 2 and 3, "
                          f"little-endian)")
     try:
-        reader = _Reader(path)
+        reader = Reader(path)
     except Exception as e:  # any failure of a parser on hostile bytes means a bad file
         raise ModelError(f"{path}: {_one_line(e)}") from e
     return reader
 
 
+class _Tensor(NamedTuple):
+    """A tensor of a file the load cache knows: gguf's ReaderTensor without the header field."""
+
+    name: str
+    tensor_type: int
+    shape: tuple[int, ...]  # GGUF order, innermost first
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray
+
+
+@dataclass
+class _Mapped:
+    """A file the load cache knows, mapped: what _build needs of a Reader, without parsing the header."""
+
+    data: np.memmap
+    tensors: list[_Tensor]
+
+
+def _mapped(path: str, entry: load_cache.Entry) -> _Mapped | None:
+    """The file as the entry describes it, if the mapped file still is that file."""
+    try:
+        data = np.memmap(path, mode="r")
+    except (OSError, ValueError):
+        return None
+    if not load_cache.matches(entry, path, data):
+        return None
+    plain = data.view(np.ndarray)
+    try:
+        tensors = [_Tensor(name, ggml_type, tuple(dims), n, n_bytes, offset,
+                           plain[offset:offset + n_bytes].view(dtype).reshape(shape))
+                   for name, ggml_type, dims, n, n_bytes, offset, dtype, shape in entry.tensors]
+    except (ValueError, TypeError):
+        return None
+    return _Mapped(data, tensors)
+
+
+def _tensor_infos(reader: Reader) -> list[tuple]:
+    """What the cache keeps of each tensor to map it again: name, type, dims, sizes, offset, view."""
+    return [(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.n_elements), int(t.n_bytes),
+             int(t.data_offset), t.data.dtype.str, t.data.shape) for t in reader.tensors]
+
+
 # -- from tensors to the model ------------------------------------------------------------------
 
-def _metadata(reader: _Reader) -> dict[str, Any]:
+_ARRAY, _STRING = 9, 8  # GGUFValueType
+
+
+def _metadata(reader: Reader) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
             continue
         try:
-            if field.types == [GGUFValueType.ARRAY, GGUFValueType.STRING]:  # decode the views, no copies
+            if field.types == [_ARRAY, _STRING]:  # decode the views, no copies
                 out[name] = [str(field.parts[i], "utf-8") for i in field.data]
             else:
                 out[name] = field.contents()
@@ -401,24 +322,29 @@ def _finite_rows(name: str, a: np.ndarray) -> None:
             raise ModelError(f"tensor {name} holds NaN or infinite values")
 
 
-def _float_tensor(t: ReaderTensor, keep_view: bool = False) -> np.ndarray:
-    """A float tensor as float32 (or as its memory-mapped F16/F32 view when keep_view)."""
+def _float_tensor(t: ReaderTensor, keep_view: bool = False, check: bool = True) -> np.ndarray:
+    """A float tensor as float32 (or as its memory-mapped F16/F32 view when keep_view); `check`
+    rejects NaN/Inf (skipped for a file the load cache says passed)."""
     ggml_type = int(t.tensor_type)
     data = t.data
-    if ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+    if ggml_type in (formats.GGML_F32, formats.GGML_F16):
         out = data if keep_view else np.array(data, dtype=np.float32)
-    elif ggml_type == int(GGMLQuantizationType.BF16):
+    elif ggml_type == formats.GGML_BF16:
         out = formats.bf16_to_float32(data)
     else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
         out = np.empty(data.shape[:-1] + (int(t.shape[0]),), dtype=np.float32)
         step = max(1, (1 << 22) // int(t.shape[0]))
         for r in range(0, data.shape[0], step):
             out[r:r + step] = dequantize(data[r:r + step], GGMLQuantizationType(ggml_type))
-    _finite_rows(t.name, out.reshape(-1, out.shape[-1]))
+    if check:
+        _finite_rows(t.name, out.reshape(-1, out.shape[-1]))
     return out
 
 
-def _ternary(t: ReaderTensor, scale: ReaderTensor | None, master_ok: bool) -> TernaryMatrix:
+def _ternary(t: ReaderTensor, scale: ReaderTensor | None, master_ok: bool, check: bool = True) -> TernaryMatrix:
     rows, cols = (int(d) for d in reversed(_dims(t)))
     ggml_type = int(t.tensor_type)
     floats = _float_tensor(t, keep_view=True) if ggml_type in _FLOAT_TYPES else None
@@ -426,11 +352,11 @@ def _ternary(t: ReaderTensor, scale: ReaderTensor | None, master_ok: bool) -> Te
         if floats is not None:
             m = formats.float_to_ternary(floats, master_ok)
         elif ggml_type == formats.GGML_TQ2_0:
-            m = formats.tq2_0_to_ternary(t.data, rows, cols)
+            m = formats.tq2_0_to_ternary(t.data, rows, cols, check)
         elif ggml_type == formats.GGML_TQ1_0:
             m = formats.tq1_0_to_ternary(t.data, rows, cols)
         else:
-            m = formats.i2s_to_ternary(t.data, rows, cols)
+            m = formats.i2s_to_ternary(t.data, rows, cols, check)
     except ModelError as e:
         raise ModelError(f"tensor {t.name}: {e}") from None
     if scale is not None:
@@ -466,7 +392,7 @@ def _check_rope_freqs(t: ReaderTensor | None, cfg: ModelConfig) -> None:
                          "(Llama 3.1-style RoPE scaling), which this engine does not implement")
 
 
-def _release_pages(reader: _Reader, t: ReaderTensor) -> None:
+def _release_pages(reader: Reader | _Mapped, t: ReaderTensor | _Tensor) -> None:
     """Drop a converted tensor's file pages from this process's resident set.
 
     Projections copied out of the mapping into the canonical layout (all but TQ2_0 and I2_S,
@@ -483,20 +409,43 @@ def _release_pages(reader: _Reader, t: ReaderTensor) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
+def _populate(reader: Reader | _Mapped, t: ReaderTensor | _Tensor) -> None:
+    """Fault in a tensor's file pages now: one NumPy read per 4 KB page.
+
+    A file the load cache knows is not read during load, so without this its page faults (~0.08 s
+    of one core for 1.1 GB) would land in the first token. (llama.cpp maps its file with MAP_POPULATE
+    at load.) On a thread beside the tokenizer's build or the backend's imports this measured no
+    faster: the page faults and their allocations contend in the kernel.
+    """
+    start = int(t.data_offset)
+    int(reader.data.view(np.ndarray)[start:start + int(t.n_bytes):mmap.PAGESIZE].max(initial=0))
+
+
 def load_model(path: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None) -> Model:
-    """Read and validate a GGUF model; ternary projections become TernaryMatrix, embeddings stay mapped."""
+    """Read and validate a GGUF model; ternary projections become TernaryMatrix, embeddings stay mapped.
+
+    A file loaded before and unchanged since skips the metadata parse and the data checks (load_cache)."""
     path = os.fspath(path)
-    reader = _open(path)
+    ident = load_cache.identity(path)  # taken before reading: a file changed meanwhile is never a hit later
+    known = load_cache.lookup(path, ident)
+    reader: Reader | _Mapped | None = _mapped(path, known) if known is not None else None
+    if reader is None:
+        known, reader = None, _open(path)
     try:
-        return _build(path, reader, progress)
+        model = _build(path, reader, progress, known)
     except ModelError as e:
         raise ModelError(f"{path}: {e}") from None
     except (ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
         raise ModelError(f"{path}: invalid model: {_one_line(e)}") from e
+    if known is None:
+        load_cache.store(path, ident, reader.data, reader.data_offset, model.metadata, _tensor_infos(reader))
+    return model
 
 
-def _build(path: str, reader: _Reader, progress: Callable[[int, int], None] | None) -> Model:
-    md = _metadata(reader)
+def _build(path: str, reader: Reader | _Mapped, progress: Callable[[int, int], None] | None,
+           known: load_cache.Entry | None = None) -> Model:
+    md = _metadata(reader) if known is None else known.metadata
+    check = known is None  # an entry exists only for a file whose data passed every check
     tensors = {t.name: t for t in reader.tensors}
     cfg = _config(md, tensors)
 
@@ -523,30 +472,39 @@ def _build(path: str, reader: _Reader, progress: Callable[[int, int], None] | No
 
     def convert(name: str) -> TernaryMatrix:
         # A float `llama` file may be an ordinary full-precision Llama: never ternarize it silently.
-        m = _ternary(tensors[name], scales.get(name), master_ok=not llama)
+        m = _ternary(tensors[name], scales.get(name), master_ok=not llama, check=check)
         if not np.may_share_memory(m.codes, tensors[name].data):  # a copy: the file pages are spent
             _release_pages(reader, tensors[name])
+        elif not check:
+            _populate(reader, tensors[name])
         if llama and name.endswith(("attn_q.weight", "attn_k.weight")):
             m = _neox_rows(m, m.rows // cfg.head_dim, cfg.head_dim)
         return m
+
+    def table(name: str) -> np.ndarray:  # the embedding or LM head: F16/F32 stay mapped views
+        out = _float_tensor(tensors[name], True, check)
+        if not check and np.may_share_memory(out, tensors[name].data):
+            _populate(reader, tensors[name])
+        return out
 
     # Conversion is NumPy work that releases the GIL: one thread per core converts the
     # projections (and checks the embedding), 0.73 -> 0.40 s for 2B-4T TQ2_0 on 2 cores.
     # Results are taken in file order, so the first bad tensor is the one reported.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         try:
-            embd = pool.submit(_float_tensor, tensors["token_embd.weight"], True)
-            out = pool.submit(_float_tensor, tensors["output.weight"], True) if "output.weight" in tensors else None
-            pending = [{field: pool.submit(convert, f"blk.{i}.{n}.weight") for field, n in _PROJECTIONS}
+            embd = pool.submit(table, "token_embd.weight")
+            out = pool.submit(table, "output.weight") if "output.weight" in tensors else None
+            # One task per layer, its projections in file order: 7x fewer futures (~15 ms of GIL time).
+            pending = [pool.submit(lambda i: {field: convert(f"blk.{i}.{n}.weight") for field, n in _PROJECTIONS}, i)
                        for i in range(cfg.n_layers)]
             token_embd, output = embd.result(), None if out is None else out.result()
             layers = []
-            for i, futures in enumerate(pending):
+            for i, projections in enumerate(pending):
                 norms = {n: tensors.get(f"blk.{i}.{n}.weight") for n in _LAYER_NORMS}
                 if llama:
                     norms["attn_sub_norm"] = norms["ffn_sub_norm"] = None
                 layers.append(LayerWeights(**{n: None if t is None else _float_tensor(t) for n, t in norms.items()},
-                                           **{field: f.result() for field, f in futures.items()}))
+                                           **projections.result()))
                 if progress is not None:
                     progress(i + 1, cfg.n_layers)
         except BaseException:

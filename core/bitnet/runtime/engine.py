@@ -74,14 +74,16 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     lm_head is "f16" (the file's float LM-head table as it is), "q8" (an int8 copy built at load: half
     the bytes per token, a little accuracy) or "auto": q8 when the file stores the head quantized, else f16.
     """
-    from bitnet.modelfile.hub import resolve_model_path
     from bitnet.modelfile.model import load_model
     from bitnet.plugins.selection import select
     from bitnet.runtime.transformer import Transformer
     from bitnet.text import chat_template as templates
     from bitnet.text.tokenizer import Tokenizer
 
-    path = resolve_model_path(path)  # hf://OWNER/NAME[/FILE]: download (or find in the HF cache) first
+    if isinstance(path, str) and path.startswith("hf://"):  # (the hub module imports click: only when needed)
+        from bitnet.modelfile.hub import resolve_model_path
+
+        path = resolve_model_path(path)  # hf://OWNER/NAME[/FILE]: download (or find in the HF cache) first
     t0 = time.perf_counter()
     if act_quant not in ACT_QUANT_MODES:
         raise UsageError(f"unknown activation quantization {act_quant!r}; expected one of "
