@@ -84,6 +84,24 @@ def test_hit_gives_the_model_and_tokens_a_full_read_gives(cache: Path, tmp_path:
     assert cached.decode(ids) == full.decode(ids)
 
 
+def test_tq2_0_blocks_of_different_scales(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache keeps a TQ2_0 projection's scale only when every block shares it; one block that
+    differs makes the hit read that tensor's scales from the file, as a full read does."""
+    path = write(tmp_path / "m.gguf", weight_type="tq2_0")
+    t = next(t for t in _Reader(path).tensors if t.name == "blk.0.attn_q.weight")
+    d = np.frombuffer(path.read_bytes()[t.data_offset + 64:t.data_offset + 66], dtype=np.float16)[0]
+    with open(path, "r+b") as f:
+        f.seek(t.data_offset + 64)  # block 0's f16 scale d
+        f.write(np.float16(d * 2).tobytes())
+    first = load_model(path)
+    wq, wk = first.layers[0].wq.scales, first.layers[0].wk.scales
+    assert not (wq == wq.flat[0]).all() and (wk == wk.flat[0]).all()
+    parsed = read_whole(monkeypatch)
+    second = load_model(path)
+    assert parsed == []  # a hit
+    same_model(first, second)
+
+
 def test_engine_tokenizes_the_same_from_the_cache(cpu_env: None, cache: Path, tmp_path: Path) -> None:
     import bitnet  # (cpu_env first: it sets a BITNET_CACHE_DIR of its own, `cache` then ours)
 
@@ -273,14 +291,17 @@ def _rss_file_kb() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_a_hit_maps_the_pages_it_did_not_read(cache: Path, tmp_path: Path) -> None:
-    """A hit reads no tensor data; its page faults must not move into the first token, so load_model
-    maps the pages of every tensor used in place (as a full read would have)."""
+def test_map_pages_maps_what_a_hit_did_not_read(cache: Path, tmp_path: Path) -> None:
+    """A hit reads no tensor data; its page faults must not move into the first token, so map_pages
+    faults in every tensor used in place, on a thread that bitnet.load joins before it returns."""
+    from bitnet.modelfile.model import map_pages
+
     path = write(tmp_path / "m.gguf", weight_type="i2_s", dim=1024, ffn_dim=1024, n_heads=8, n_kv_heads=8,
                  vocab_size=8192)  # I2_S: nothing else in a hit reads its codes (TQ2_0's scales are read)
     load_model(path)  # a miss; its mapping goes with the model
-    before = _rss_file_kb()
     m = load_model(path)  # a hit
+    before = _rss_file_kb()
+    map_pages(m).join()
     mapped = m.token_embd.nbytes + sum(getattr(layer, f).codes.nbytes for layer in m.layers
                                        for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
     assert _rss_file_kb() - before >= 0.9 * mapped / 1024

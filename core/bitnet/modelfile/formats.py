@@ -88,14 +88,18 @@ def _check_scales(kind: str, scales: np.ndarray) -> None:
         raise ModelError(f"{kind} tensor has a NaN or infinite scale")
 
 
-def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int, check: bool = True) -> TernaryMatrix:
+def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int, check: bool = True,
+                     block_scale: float | None = None) -> TernaryMatrix:
     """TQ2_0 bytes ([rows, cols/256*66] or flat) -> TernaryMatrix whose codes are a view of the
     blocks' `qs` (already the canonical layout) in place: nothing is copied but the scales.
-    Without `check` (data known good) the codes are not scanned for 0b11."""
+    Without `check` (data known good) the codes are not scanned for 0b11, and `block_scale`, the
+    scale every block is known to hold, spares reading the blocks at all."""
     nb = cols // BLOCK
     _check_shape("TQ2_0", raw, rows, cols, rows * nb * TQ2_0_BLOCK_BYTES)
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, TQ2_0_BLOCK_BYTES)
     if not check:
+        if block_scale is not None:
+            return TernaryMatrix(blocks[:, :, :64], np.full((rows, nb), block_scale, dtype=np.float32))
         scales = blocks.reshape(-1).view(np.float16)[32::TQ2_0_BLOCK_BYTES // 2].astype(np.float32)
         return TernaryMatrix(blocks[:, :, :64], scales.reshape(rows, nb))
     scales = np.empty(rows * nb, np.float32)

@@ -74,7 +74,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     lm_head is "f16" (the file's float LM-head table as it is), "q8" (an int8 copy built at load: half
     the bytes per token, a little accuracy) or "auto": q8 when the file stores the head quantized, else f16.
     """
-    from bitnet.modelfile.model import load_model
+    from bitnet.modelfile.model import load_model, map_pages
     from bitnet.plugins.selection import select
     from bitnet.runtime.transformer import Transformer
     from bitnet.text import chat_template as templates
@@ -102,12 +102,14 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
 
             path = default_model.path()
         model = load_model(path, progress=progress)
+        pages = map_pages(model)  # the file's page faults, on a thread beside the tokenizer's build
         tokenizer = Tokenizer.from_metadata(model.metadata)
         if n_ctx is None:
             n_ctx = min(model.config.n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
         check_kv_fits(model.config, n_ctx, *kv_home(provider, selection.device), n_seqs=n_seqs)
         template = templates.choose(model.metadata, tokenizer.has_token, chat_template)
         transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs, choose_lm_head(lm_head, model.head_type))
+        pages.join()  # before the first token, which would otherwise pay for them
     except BaseException:
         provider.close()
         raise
