@@ -37,12 +37,12 @@ def _prompts(b: int, n: int, vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab // 2, n)] for _ in range(b)]
 
 
-def worker_ours(model: str, batches: list[int], n_prompt: int, n_decode: int) -> dict[str, Any]:
+def worker_ours(model: str, batches: list[int], n_prompt: int, n_decode: int, lm_head: str) -> dict[str, Any]:
     import bitnet
     from bitnet.runtime.scheduler import Scheduler
 
     top = max(batches)
-    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 8, n_seqs=top)
+    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 8, n_seqs=top, lm_head=lm_head)
     no_eog = {t: -100.0 for t in eng.tokenizer.eog_ids}
     out = {}
     for b in [1, *batches]:  # the first B=1 warms the kernels up and is not kept
@@ -127,7 +127,7 @@ def spawn(kind: str, args: argparse.Namespace, model: str, threads: int) -> dict
     env = {**os.environ, "BITNET_NUM_THREADS": str(threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model, "--threads",
            str(threads), "--batches", args.batches, "--prompt-tokens", str(args.prompt_tokens),
-           "--decode-tokens", str(args.decode_tokens)]
+           "--decode-tokens", str(args.decode_tokens), "--lm-head", args.lm_head]
     return workers.run(cmd, env, args.timeout, kind)
 
 
@@ -142,13 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--lm-head", choices=("f16", "q8", "auto"), default="auto", help="our LM head")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     if args.worker:
         if args.worker == "ours":
-            out = worker_ours(args.model, batches, args.prompt_tokens, args.decode_tokens)
+            out = worker_ours(args.model, batches, args.prompt_tokens, args.decode_tokens, args.lm_head)
         elif args.worker == "llama":
             out = worker_llama(args.model, threads[0], batches, args.prompt_tokens, args.decode_tokens)
         else:
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     llama_model = args.llama_model or args.model
     log = sys.stderr
     print(f"model {args.model}, llama.cpp on {llama_model}; prompts of {args.prompt_tokens} tokens, "
-          f"{args.decode_tokens} decoded each, B in {batches}, {args.runs} runs", file=log, flush=True)
+          f"{args.decode_tokens} decoded each, B in {batches}, {args.runs} runs, our LM head {args.lm_head}",
+          file=log, flush=True)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     for run in range(args.runs):
         for t in threads:
