@@ -18,7 +18,6 @@ Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --weight-type i2_s`
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -124,11 +123,9 @@ def worker_chat(model: str, n_decode: int) -> dict[str, Any]:
 
 
 def spawn(kind: str, args: argparse.Namespace, model: str, threads: int) -> dict[str, Any]:
-    env = {**os.environ, "BITNET_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model, "--threads",
-           str(threads), "--batches", args.batches, "--prompt-tokens", str(args.prompt_tokens),
-           "--decode-tokens", str(args.decode_tokens), "--lm-head", args.lm_head]
-    return workers.run(cmd, env, args.timeout, kind)
+    options = ["--batches", args.batches, "--prompt-tokens", str(args.prompt_tokens),
+               "--decode-tokens", str(args.decode_tokens), "--lm-head", args.lm_head]
+    return workers.spawn(str(Path(__file__).resolve()), kind, model, threads, options, args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,11 +192,9 @@ def decode_bytes(model: str, lm_head: str) -> tuple[int, str]:
 
 def spawn(kind: str, args: argparse.Namespace, model: str, threads: int,
           env_extra: dict[str, str] | None = None) -> dict[str, Any]:
-    env = {**os.environ, "BITNET_NUM_THREADS": str(threads), **(env_extra or {})}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model,
-           "--threads", str(threads), "--prompt-tokens", str(args.prompt_tokens),
-           "--decode-tokens", str(args.decode_tokens), "--act-quant", args.act_quant, "--lm-head", args.lm_head]
-    return workers.run(cmd, env, args.timeout, kind)
+    options = ["--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
+               "--act-quant", args.act_quant, "--lm-head", args.lm_head]
+    return workers.spawn(str(Path(__file__).resolve()), kind, model, threads, options, args.timeout, env_extra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from typing import Any
 
 
@@ -19,3 +21,11 @@ def run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> dict[
     if p.returncode or line is None:
         raise RuntimeError(f"{what} worker failed ({p.returncode}): {p.stderr.strip()[-800:]}")
     return json.loads(line)
+
+
+def spawn(script: str, kind: str, model: str, threads: int, options: list[str], timeout: float,
+          env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `script --worker kind` on `model` with `threads` CPU threads and its own options; its RESULT."""
+    env = {**os.environ, "BITNET_NUM_THREADS": str(threads), **(env_extra or {})}
+    cmd = [sys.executable, script, "--worker", kind, "--model", model, "--threads", str(threads), *options]
+    return run(cmd, env, timeout, kind)

@@ -73,7 +73,7 @@ def test_perplexity_input_errors() -> None:
             perplexity(engine, [], 8)
 
 
-def test_run_writes_shakespeare_like_text(tmp_path: Path) -> None:
+def test_run_writes_shakespeare_like_text() -> None:
     r = run_cli("--device", "cpu", "run", "--prompt", "ROMEO:", "--max-tokens", "48")
     assert r.returncode == 0, r.stderr
     words = r.stdout.split()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bitnet.modelfile.formats import GGML_I2_S, ternary_to_i2s
+from bitnet.modelfile.formats import GGML_I2_S, absmean_ternary, ternary_to_i2s
 from bitnet.modelfile.writer import write_gguf
 from bitnet.text.tokenizer import LLAMA3_REGEX, Tokenizer
 
@@ -141,7 +141,8 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return x + ((x * s).round().clamp(-128, 127) / s - x).detach()
 
 
-def absmean_ternary(w: torch.Tensor) -> torch.Tensor:
+def ternarize_ste(w: torch.Tensor) -> torch.Tensor:
+    """Absmean ternary weights in the forward pass, straight-through gradients in the backward."""
     s = w.abs().mean().clamp(min=1e-5)
     return w + ((w / s).round().clamp(-1, 1) * s - w).detach()
 
@@ -155,7 +156,7 @@ class BitLinear(nn.Linear):
         self.act_quant = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight if self.frozen else absmean_ternary(self.weight)
+        w = self.weight if self.frozen else ternarize_ste(self.weight)
         return F.linear(quantize_activations(x) if self.act_quant else x, w)
 
 
@@ -301,8 +302,7 @@ def export(model: BitNet, tokenizer_md: dict, c: Config, path: Path) -> None:
     with torch.no_grad():
         for name, lin in model.bitlinears():
             w = f32(lin.weight)
-            scale = np.float32(max(np.mean(np.abs(w), dtype=np.float64), 1e-5))
-            t = np.clip(np.rint(w / scale), -1, 1).astype(np.int8)
+            t, scale = absmean_ternary(w)  # the loader's rule for float masters, so the file is what it reads
             i2s[name] = (w.shape, ternary_to_i2s(t, float(scale)))
             lin.weight.copy_(torch.from_numpy(t.astype(np.float32) * scale))
             lin.frozen = True

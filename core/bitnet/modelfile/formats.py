@@ -180,6 +180,14 @@ def bf16_to_float32(a: np.ndarray) -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
+def absmean_ternary(w: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """BitNet b1.58's absmean rule: scale = mean|w| (at least 1e-5, the mean taken in float64), and the
+    int8 ternary values clip(rint(w / scale), -1, 1)."""
+    w32 = np.asarray(w, dtype=np.float32)
+    scale = np.float32(max(np.mean(np.abs(w32), dtype=np.float64), 1e-5))
+    return np.clip(np.rint(w32 / scale), -1, 1).astype(np.int8), scale
+
+
 def float_to_ternary(w: np.ndarray, master_ok: bool = True) -> TernaryMatrix:
     """F32/F16 projection weights [rows, cols] -> TernaryMatrix.
 
@@ -202,9 +210,7 @@ def float_to_ternary(w: np.ndarray, master_ok: bool = True) -> TernaryMatrix:
     if not master_ok:
         raise ModelError("weights are not ternary (not every value is 0 or +-one scale): a full-precision "
                          "model, not BitNet b1.58; it is refused rather than silently ternarized")
-    scale = np.float32(max(np.mean(a, dtype=np.float64), 1e-5))
-    t = np.clip(np.rint(w32 / scale), -1, 1).astype(np.int8)
-    return from_values(t, scale)
+    return from_values(*absmean_ternary(w32))
 
 
 # -- encoders (the writer and tests) ---------------------------------------------------------------

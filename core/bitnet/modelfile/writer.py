@@ -188,11 +188,6 @@ def _decode_embd(spec: SyntheticSpec, chunk: np.ndarray) -> np.ndarray:
     return chunk
 
 
-def _absmean(w: np.ndarray) -> tuple[np.ndarray, float]:
-    scale = np.float32(max(np.mean(np.abs(w), dtype=np.float64), 1e-5))
-    return np.clip(np.rint(w / scale), -1, 1).astype(np.int8), float(scale)
-
-
 def synthetic_weights(spec: SyntheticSpec) -> dict[str, np.ndarray]:
     """Every tensor of the model `write_model(path, spec)` writes, as tests should see it after loading.
 
@@ -213,7 +208,7 @@ def synthetic_weights(spec: SyntheticSpec) -> dict[str, np.ndarray]:
             if spec.float_master:
                 w = _master(spec, name, shape)
                 out[base + ".master"] = w
-                t, s = _absmean(w)
+                t, s = formats.absmean_ternary(w)
             else:
                 t, s = _projection(spec, name, shape)
             out[name] = t
