@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from bitnet.errors import UsageError
-from bitnet_cpu import isa, ternary_ir
+from bitnet_cpu import dot_ir, isa
 from conftest import cli_env, run_cli
 
 LEVELS = isa.host_levels()
-MISSING = [level for level in ternary_ir.LEVELS if level not in LEVELS]
+MISSING = [level for level in dot_ir.LEVELS if level not in LEVELS]
 
 
 def test_host_levels_are_ordered_and_end_with_generic() -> None:
     assert LEVELS[-1] == "generic"
-    assert list(LEVELS) == [level for level in ternary_ir.LEVELS if level in LEVELS]
+    assert list(LEVELS) == [level for level in dot_ir.LEVELS if level in LEVELS]
 
 
 def test_choose_defaults_to_the_best_and_honours_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,22 +73,26 @@ def _instructions(asm: str) -> set[str]:
     ("avx2", None, {"vpmaddubsw ymm", "vpmaddwd ymm"}),
     ("generic", None, {"pmaddwd xmm"}),  # baseline x86-64 (SSE2): LLVM finds pmaddwd on its own
 ])
-@pytest.mark.parametrize("tile, per_block", [(1, False), (ternary_ir.TILE, True)])
+@pytest.mark.parametrize("tile, per_block, q8", [(1, False, False), (dot_ir.TILE, True, False), (1, False, True),
+                                                (dot_ir.TILE, False, True)],
+                         ids=["ternary1", "ternary4", "q8_1", "q8_4"])
 def test_every_level_compiles_to_its_instructions(level: str, cpu: str | None, expected: set[str], tile: int,
-                                                  per_block: bool) -> None:
-    asm = ternary_ir.assembly(level, cpu, tile, per_block)
+                                                  per_block: bool, q8: bool) -> None:
+    # q8: the int8 LM head's dot, the same instructions (|w| unsigned, q with w's sign).
+    asm = dot_ir.assembly(level, cpu, tile, per_block, q8)
     assert _instructions(asm) == expected
 
 
 def test_the_compile_check_sees_a_missing_instruction() -> None:
     # The check above is not vacuous: the avx2 level has no vpdpbusd, the avx512vnni level no vpmaddubsw.
-    assert not any("vpdpbusd" in i for i in _instructions(ternary_ir.assembly("avx2")))
-    assert not any("maddubsw" in i for i in _instructions(ternary_ir.assembly("avx512vnni")))
+    assert not any("vpdpbusd" in i for i in _instructions(dot_ir.assembly("avx2")))
+    assert not any("maddubsw" in i for i in _instructions(dot_ir.assembly("avx512vnni")))
+    assert not any("vpdpbusd" in i for i in _instructions(dot_ir.assembly("avx2", q8=True)))
 
 
 def test_unknown_level_is_refused_by_the_emitter() -> None:
     with pytest.raises(ValueError, match="unknown ISA level"):
-        ternary_ir.dot_module("sse9")
+        dot_ir.dot_module("sse9")
 
 
 # -- one disk cache per level, and the first-run announcement -----------------------------------------------
@@ -115,7 +119,7 @@ def _run(level: str | None, cache: Path) -> tuple[str, list[str]]:
 
 
 def _cached_levels(cache: Path) -> set[str]:
-    return {d.name.split("-")[1] for d in cache.glob("ternary-*") if any(d.rglob("*.nbi"))}
+    return {d.name.split("-")[1] for d in cache.glob("int-*") if any(d.rglob("*.nbi"))}
 
 
 def test_each_level_caches_under_its_own_key_and_a_cold_cache_is_announced(tmp_path: Path) -> None:

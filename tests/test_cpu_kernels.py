@@ -18,7 +18,7 @@ import pytest
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
-from bitnet_cpu import isa, ternary_ir
+from bitnet_cpu import dot_ir, isa
 from bitnet_cpu.provider import CpuProvider
 
 REF = ReferenceProvider()
@@ -88,7 +88,7 @@ def test_quantize_rows_is_bit_exact(level: str) -> None:
     q, s, qsum = np.empty((6, 512), np.int8), np.empty(6, np.float32), np.empty((6, 2), np.int32)
     want_q, want_s = ref_mod.quantize_rows(x)
     want_q = want_q.reshape(6, 2, BLOCK)
-    for rev, perm in ((False, ternary_ir.PERM), (True, MIRRORED_PERM)):
+    for rev, perm in ((False, dot_ir.PERM), (True, MIRRORED_PERM)):
         isa.kernels(level).quantize_rows(x, q, s, qsum, rev)
         np.testing.assert_array_equal(s, want_s)
         np.testing.assert_array_equal(q.reshape(6, 2, BLOCK), want_q[:, :, perm])
@@ -105,7 +105,7 @@ def test_quantize_q8k_is_bit_exact(level: str) -> None:
     isa.kernels(level).quantize_q8k(x, q, d, qsum, False)
     want_q, want_d = ref_mod.quantize_q8k(x)
     np.testing.assert_array_equal(d, want_d)
-    np.testing.assert_array_equal(q.reshape(3, 3, BLOCK), want_q[:, :, ternary_ir.PERM])
+    np.testing.assert_array_equal(q.reshape(3, 3, BLOCK), want_q[:, :, dot_ir.PERM])
     np.testing.assert_array_equal(qsum, want_q.sum(axis=2))
 
 
@@ -222,12 +222,12 @@ def test_a_dot_product_that_drops_a_field_fails(level: str, monkeypatch: pytest.
     # of every code byte (uncached, so the broken machine code never reaches the disk cache).
     from llvmlite import ir
 
-    real_codes = ternary_ir._Block.codes
+    real_codes = dot_ir._Block.codes
 
-    def drop_last_field(self: ternary_ir._Block, wptr: ir.Value) -> list[ir.Value]:
+    def drop_last_field(self: dot_ir._Block, wptr: ir.Value) -> list[ir.Value]:
         return [ir.Constant(c.type, None) if i % 4 == 3 else c for i, c in enumerate(real_codes(self, wptr))]
 
-    monkeypatch.setattr(ternary_ir._Block, "codes", drop_last_field)
+    monkeypatch.setattr(dot_ir._Block, "codes", drop_last_field)
     broken = CpuProvider(n_threads=1, isa=level)
     broken._tk = isa.build(level, cache=False)
     rng = np.random.default_rng(13)

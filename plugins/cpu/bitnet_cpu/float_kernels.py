@@ -1,4 +1,4 @@
-"""Float kernels of the decode path: the F16 LM head and its int8 twin, RMSNorm, attention over the KV cache.
+"""Float kernels of the decode path: the F16 LM head, the build of its int8 twin, RMSNorm, attention.
 
 The LM head is half the bytes a decode step reads (128256 x 2560 F16 = 0.66 GB for the 2B-4T
 shape), so it streams the F16 table once, converting in registers: numba has no float16
@@ -140,46 +140,6 @@ def q8_table_f32(table: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
     """The int8 LM head of a float32 table (F32, or a quantized one decoded at load)."""
     for r in prange(table.shape[0]):
         scale[r] = _q8_row(table[r], q[r])
-
-
-@njit(inline="always")
-def _q8_logit(isum: np.int32, scale: np.float32, s: np.float32) -> np.float32:
-    return np.float32(np.float64(isum) * np.float64(scale) / np.float64(s))
-
-
-@njit(parallel=True, cache=True)  # no fastmath: the float64 epilogue is the reference's, to the bit
-def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarray, rows_per_task: int,
-               out: np.ndarray) -> None:
-    """out[t, r] = sum_i q[t, i] * table[r, i] * scale[r] / s[t]: int8 codes, an exact int32 sum.
-
-    q holds the activations' int8 codes widened to int16 once, so that LLVM's pmaddwd reads them from
-    memory and only the table row is widened in registers. Four tokens share each pass over a
-    table row (the row stays in L1): batch 8 took 0.8x the time of one pass per token.
-    """
-    vocab, dim = table.shape
-    n = q.shape[0]
-    for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-        for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
-            _prefetch_row(table, r + 1)
-            t = 0
-            while t + 4 <= n:
-                a0 = a1 = a2 = a3 = np.int32(0)
-                for i in range(dim):
-                    w = np.int16(table[r, i])
-                    a0 = np.int32(a0 + np.int32(w * q[t, i]))
-                    a1 = np.int32(a1 + np.int32(w * q[t + 1, i]))
-                    a2 = np.int32(a2 + np.int32(w * q[t + 2, i]))
-                    a3 = np.int32(a3 + np.int32(w * q[t + 3, i]))
-                out[t, r] = _q8_logit(a0, scale[r], s[t])
-                out[t + 1, r] = _q8_logit(a1, scale[r], s[t + 1])
-                out[t + 2, r] = _q8_logit(a2, scale[r], s[t + 2])
-                out[t + 3, r] = _q8_logit(a3, scale[r], s[t + 3])
-                t += 4
-            for u in range(t, n):  # the tokens short of a whole four
-                acc = np.int32(0)
-                for i in range(dim):
-                    acc = np.int32(acc + np.int32(np.int16(table[r, i]) * q[u, i]))
-                out[u, r] = _q8_logit(acc, scale[r], s[u])
 
 
 @njit(cache=True)

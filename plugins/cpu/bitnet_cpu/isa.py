@@ -11,14 +11,14 @@ What runs where:
 | generic | portable LLVM vector IR | anything numba compiles for |
 
 Numba compiles for the host, and LLVM aborts the process on an intrinsic the host cannot run, so
-a level the host lacks is never compiled here; `ternary_ir.assembly()` checks such a level by
+a level the host lacks is never compiled here; `dot_ir.assembly()` checks such a level by
 compiling its IR for a CPU that has it, without running it.
 
-`ternary_kernels` is executed once per level as its own module (`bitnet_cpu.ternary_kernels_<level>`),
+`int_kernels` is executed once per level as its own module (`bitnet_cpu.int_kernels_<level>`),
 so one process can hold every level its host runs (the tests compare them). Numba keys its disk cache
 by the function's file, name, signature and the host CPU, not by the globals an intrinsic reads,
 so each level gets a cache directory of its own: one level's machine code is never loaded as
-another's. The directory name also carries a hash of `ternary_ir.py`, whose IR numba inlines but
+another's. The directory name also carries a hash of `dot_ir.py`, whose IR numba inlines but
 does not track.
 """
 
@@ -39,7 +39,7 @@ from types import ModuleType
 from bitnet.errors import UsageError
 from bitnet.plugins.types import host_cpu_name
 
-from .ternary_ir import LEVELS
+from .dot_ir import LEVELS
 
 _ENV = "BITNET_CPU_ISA"
 _NAMES = {"avx512": "avx512vnni", **{level: level for level in LEVELS}}
@@ -104,12 +104,12 @@ def kernels(level: str) -> ModuleType:
 
 
 def build(level: str, cache: bool = True) -> ModuleType:
-    """A new instance of `ternary_kernels` for `level`; without `cache` it never touches the disk cache
+    """A new instance of `int_kernels` for `level`; without `cache` it never touches the disk cache
     (for kernels built from patched IR, as the tests do)."""
     level = choose(level)  # a name or alias the CPU runs, else the error that names what it runs
     directory = cache_dir(level) if cache else None
-    name = f"bitnet_cpu.ternary_kernels_{level}" + ("" if cache else f"_uncached{next(_serial)}")
-    spec = importlib.util.spec_from_file_location(name, _HERE / "ternary_kernels.py")
+    name = f"bitnet_cpu.int_kernels_{level}" + ("" if cache else f"_uncached{next(_serial)}")
+    spec = importlib.util.spec_from_file_location(name, _HERE / "int_kernels.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     mod.ISA, mod.CACHE = level, directory is not None
@@ -125,11 +125,11 @@ def cache_dir(level: str) -> str | None:
     else the user's cache directory; None when none is writable (they compile in every process)."""
     from numba.core import config
 
-    stamp = hashlib.sha256((_HERE / "ternary_ir.py").read_bytes()).hexdigest()[:12]
+    stamp = hashlib.sha256((_HERE / "dot_ir.py").read_bytes()).hexdigest()[:12]
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bitnet-cpu"
     bases = [Path(config.CACHE_DIR)] if config.CACHE_DIR else [_HERE / "__pycache__", user]
     for base in bases:
-        path = base / f"ternary-{level}-{stamp}"
+        path = base / f"int-{level}-{stamp}"
         try:
             path.mkdir(parents=True, exist_ok=True)
             probe = path / f".write-test-{os.getpid()}"

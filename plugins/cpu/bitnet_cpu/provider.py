@@ -3,7 +3,7 @@
 Ternary weights stay packed (2 bits each, the canonical layout is also the kernel's layout),
 TQ2_0 and I2_S in place in the memory-mapped file.
 BitLinear quantizes activations to int8 and runs the SIMD integer kernels of
-`ternary_kernels`, built for the instruction-set level `isa.choose()` picks; the F16 LM head,
+`int_kernels`, built for the instruction-set level `isa.choose()` picks; the F16 LM head,
 its int8 twin and RMSNorm run in `float_kernels`. Unquantized ("none") BitLinear keeps the
 NumPy path: it unpacks a chunk of rows at a time through a 256-entry table into float32 and
 multiplies with BLAS. numba is imported when a provider is opened, never by `import bitnet_cpu`, and compiles
@@ -185,7 +185,7 @@ class CpuProvider(ReferenceProvider):
         self._use_threads()
         q, s = quantize_rows(x)  # NumPy: a few rows, and the reference's own rounding
         out = np.empty((q.shape[0], table.shape[0]), dtype=np.float32)
-        fk.lm_head_q8(q.astype(np.int16), s, table.q, table.scale, _LM_HEAD_ROWS, out)
+        self._tk.lm_head_q8(q.astype(np.int8), s, table.q, table.scale, _LM_HEAD_ROWS, out)  # |q| <= 127: absmax
         return out
 
     def rmsnorm(self, x: Any, w: Any, eps: float) -> Any:

@@ -1,4 +1,5 @@
-"""The LLVM IR of the ternary dot products, one flavour per instruction-set level.
+"""The LLVM IR of the integer dot products (ternary BitLinear, the int8 LM head), one flavour per
+instruction-set level.
 
 Numba types every integer expression as int64, so a plain loop over uint8 codes and int8
 activations vectorizes into 64-bit lanes and runs at a tenth of the memory bandwidth. The
@@ -21,7 +22,12 @@ Each block loop prefetches the codes PREFETCH_BYTES ahead: the hardware prefetch
 one thread at 5 GB/s and two at 9-11 GB/s on 2B-4T shapes; with it they stream at 8-10 and
 14-17 GB/s (2048 bytes was best of 256..8192 on this machine).
 
-This module only builds IR; nothing here runs. `ternary_kernels` wraps it in numba intrinsics
+The int8 LM head (`emit_q8_dot`) multiplies int8 table rows by int8 activations, which BitNet's
+absmax quantization keeps within [-127, 127]: AVX2 and VNNI take |w| as the unsigned operand and
+give q w's sign (`vpsignb`, or a select), the products `vpmaddubsw` and `vpdpbusd` expect; numba's
+own loop had widened to int32 `vpmulld` and ran compute-bound at 10 GB/s on one thread.
+
+This module only builds IR; nothing here runs. `int_kernels` wraps it in numba intrinsics
 for the host, and `assembly()` compiles it for a named CPU, so a level the host lacks is still
 checked to the instruction (like compiling CUDA without a GPU).
 """
@@ -34,6 +40,7 @@ from numba.core import cgutils
 
 BLOCK = 256
 BLOCK_BYTES = 64
+CHUNK = 64  # int8 values per step of the int8 dot (one 512-bit register)
 PREFETCH_BYTES = 2048  # how far past the block being read the codes are requested
 TILE = 4  # tokens per pass over a weight row in prefill: TILE accumulators plus the codes stay in registers
 
@@ -157,6 +164,23 @@ class _Block:
         return acc if self.lanes == 1 else self.b.call(self.reduce, [acc])
 
 
+def _token_rows(builder: ir.IRBuilder, q_i: ir.Value, stride: ir.Value, ntok: ir.Value, tile: int) -> list[ir.Value]:
+    """Pointers to `tile` activation rows; those past n_tok repeat the last one (computed, never stored)."""
+    last = builder.sub(ntok, ir.Constant(_I64, 1))
+    rows = []
+    for t in range(tile):
+        row = ir.Constant(_I64, t)
+        row = builder.select(builder.icmp_signed("<", row, ntok), row, last)
+        rows.append(builder.inttoptr(builder.add(q_i, builder.mul(row, stride)), _I8.as_pointer()))
+    return rows
+
+
+def _store(builder: ir.IRBuilder, out: ir.Value, ntok: ir.Value, t: int, index: ir.Value, value: ir.Value) -> None:
+    """out[index] = value when token t is a real one (t < n_tok)."""
+    with builder.if_then(builder.icmp_signed("<", ir.Constant(_I64, t), ntok)):
+        builder.store(value, builder.gep(out, [index]))
+
+
 def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: bool, isa: str) -> None:
     """The body of dot(w_addr, n_blocks, w_stride, q_addr, q_stride, n_tok, out_addr), all i64.
 
@@ -167,22 +191,11 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     out[t * n_blocks + b].
     """
     w_i, nb, wstep, q_i, stride, ntok, out_i = args
-    i8p = _I8.as_pointer()
     blk = _Block(builder, isa)
-    w0 = builder.inttoptr(w_i, i8p)
+    w0 = builder.inttoptr(w_i, _I8.as_pointer())
     out = builder.inttoptr(out_i, _I32.as_pointer())
-    last = builder.sub(ntok, ir.Constant(_I64, 1))
-    qrows = []
-    for t in range(tile):
-        row = ir.Constant(_I64, t)
-        row = builder.select(builder.icmp_signed("<", row, ntok), row, last)
-        qrows.append(builder.inttoptr(builder.add(q_i, builder.mul(row, stride)), i8p))
+    qrows = _token_rows(builder, q_i, stride, ntok, tile)
     accs = [[cgutils.alloca_once_value(builder, blk.zero()) for _ in range(blk.n_acc)] for _ in range(tile)]
-
-    def store(t: int, index: ir.Value, value: ir.Value) -> None:
-        with builder.if_then(builder.icmp_signed("<", ir.Constant(_I64, t), ntok)):
-            builder.store(value, builder.gep(out, [index]))
-
     with cgutils.for_range(builder, nb) as loop:
         k = loop.index
         wk = builder.gep(w0, [builder.mul(k, wstep)])
@@ -192,13 +205,61 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
         for t in range(tile):
             acc = blk.update([builder.load(a) for a in accs[t]], codes, builder.gep(qrows[t], [qoff]))
             if per_block:
-                store(t, builder.add(builder.mul(ir.Constant(_I64, t), nb), k), blk.total(acc))
+                _store(builder, out, ntok, t, builder.add(builder.mul(ir.Constant(_I64, t), nb), k), blk.total(acc))
             else:
                 for a, v in zip(accs[t], acc, strict=True):
                     builder.store(v, a)
     if not per_block:
         for t in range(tile):
-            store(t, ir.Constant(_I64, t), blk.total([builder.load(a) for a in accs[t]]))
+            _store(builder, out, ntok, t, ir.Constant(_I64, t), blk.total([builder.load(a) for a in accs[t]]))
+
+
+def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str) -> None:
+    """The body of q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr), all i64.
+
+    One int8 row (n_chunks * CHUNK values from w_addr) times `tile` int8 token rows in natural
+    order (q_stride bytes apart), all within [-127, 127]; int32 out[t] = sum(w * q), exact.
+    Tokens past n_tok reuse the last row and are not stored.
+    """
+    w_i, n_chunks, q_i, stride, ntok, out_i = args
+    b = builder
+    blk = _Block(builder, isa)
+    n = blk.width
+    v8 = _vec(_I8, n)
+    absb = _declare(b.module, f"llvm.abs.v{n}i8", v8, [v8, ir.IntType(1)])
+    if isa == "avx2":
+        psign = _declare(b.module, "llvm.x86.avx2.psign.b", v8, [v8, v8])
+    w0 = b.inttoptr(w_i, _I8.as_pointer())
+    out = b.inttoptr(out_i, _I32.as_pointer())
+    qrows = _token_rows(b, q_i, stride, ntok, tile)
+    accs = [cgutils.alloca_once_value(b, blk.zero()) for _ in range(tile)]
+    with cgutils.for_range(b, n_chunks) as loop:
+        off = b.mul(loop.index, ir.Constant(_I64, CHUNK))
+        wk = b.gep(w0, [off])
+        blk.prefetch(wk, PREFETCH_BYTES)
+        parts = [blk.load(wk, n * g, n) for g in range(CHUNK // n)]
+        if isa == "generic":
+            v32 = _vec(_I32, n)
+            wide = [b.sext(w, v32) for w in parts]
+        else:
+            mags = [b.call(absb, [w, ir.Constant(ir.IntType(1), 0)]) for w in parts]
+        for t in range(tile):
+            acc = b.load(accs[t])
+            qk = b.gep(qrows[t], [off])
+            for g, w in enumerate(parts):
+                q = blk.load(qk, n * g, n)
+                if isa == "generic":
+                    acc = b.add(acc, b.call(blk.reduce_wide, [b.mul(wide[g], b.sext(q, _vec(_I32, n)))]))
+                elif isa == "avx2":
+                    p = b.call(blk.maddubs, [mags[g], b.call(psign, [q, w])])
+                    acc = b.add(acc, b.call(blk.maddwd, [p, _splat(_I16, 16, 1)]))
+                else:
+                    signed = b.select(b.icmp_signed("<", w, ir.Constant(v8, None)), b.sub(ir.Constant(v8, None), q), q)
+                    acc = b.call(blk.dpbusd, [acc, b.bitcast(mags[g], blk.acc_type), b.bitcast(signed, blk.acc_type)])
+            b.store(acc, accs[t])
+    for t in range(tile):
+        acc = b.load(accs[t])
+        _store(b, out, ntok, t, ir.Constant(_I64, t), acc if blk.lanes == 1 else b.call(blk.reduce, [acc]))
 
 
 # -- compile checks: a level's IR compiled for a CPU that has it, on any host --------------------------
@@ -208,18 +269,21 @@ CHECK_CPU = {"avx512vnni": "icelake-server", "avxvnni": "alderlake", "avx2": "ha
 _TRIPLE = "x86_64-unknown-linux-gnu"
 
 
-def dot_module(isa: str, tile: int = TILE, per_block: bool = False) -> str:
-    """LLVM IR text of a module holding one dot function of this level (see emit_dot)."""
-    module = ir.Module(name=f"ternary_dot_{isa}")
+def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = False) -> str:
+    """LLVM IR text of a module holding one dot function of this level (emit_dot, or with q8 emit_q8_dot)."""
+    module = ir.Module(name=f"{'q8' if q8 else 'ternary'}_dot_{isa}")
     module.triple = _TRIPLE
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_I64] * 7), name="dot")
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_I64] * (6 if q8 else 7)), name="dot")
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
-    emit_dot(builder, list(fn.args), tile, per_block, isa)
+    if q8:
+        emit_q8_dot(builder, list(fn.args), tile, isa)
+    else:
+        emit_dot(builder, list(fn.args), tile, per_block, isa)
     builder.ret_void()
     return str(module)
 
 
-def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool = False) -> str:
+def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool = False, q8: bool = False) -> str:
     """x86-64 assembly of this level's dot for `cpu` (default CHECK_CPU[isa]), optimized as numba would.
 
     Nothing is executed: this is how a level the host lacks is checked, since numba compiles
@@ -229,7 +293,7 @@ def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool
 
     llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
-    mod = llvm.parse_assembly(dot_module(isa, tile, per_block))
+    mod = llvm.parse_assembly(dot_module(isa, tile, per_block, q8))
     mod.verify()
     machine = llvm.Target.from_triple(_TRIPLE).create_target_machine(cpu=cpu or CHECK_CPU[isa], opt=3)
     builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))

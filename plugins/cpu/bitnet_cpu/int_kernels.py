@@ -1,7 +1,8 @@
-"""Ternary BitLinear on the packed 2-bit codes: int8 activation quantization and the dot products.
+"""The integer kernels: ternary BitLinear on the packed 2-bit codes (int8 activation quantization and
+the dot products), and the int8 LM head.
 
 This module is a template executed once per instruction-set level by `isa.kernels(level)`, which
-sets ISA (the level of the dot products from `ternary_ir`) and CACHE (whether a disk cache
+sets ISA (the level of the dot products from `dot_ir`) and CACHE (whether a disk cache
 directory of that level's own is in use) before running it; it is not imported by name.
 
 Weights are read as blocks, uint8 [rows, n_blocks, 64] with any row and block stride, so
@@ -24,13 +25,13 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from bitnet_cpu.ternary_ir import BLOCK, TILE, emit_dot
+from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, emit_dot, emit_q8_dot
 
 try:  # set by bitnet_cpu.isa.build() before it runs this module
     ISA: str = globals()["ISA"]
     CACHE: bool = globals()["CACHE"]
 except KeyError:
-    raise ImportError("bitnet_cpu.ternary_kernels is built per instruction set: use bitnet_cpu.isa.kernels()") from None
+    raise ImportError("bitnet_cpu.int_kernels is built per instruction set: use bitnet_cpu.isa.kernels()") from None
 
 
 def _make_dot(tile: int, per_block: bool) -> Callable[..., Any]:
@@ -48,12 +49,29 @@ def _make_dot(tile: int, per_block: bool) -> Callable[..., Any]:
     return dot
 
 
+def _make_q8_dot(tile: int) -> Callable[..., Any]:
+    """An intrinsic q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr) -> None (see emit_q8_dot)."""
+
+    @intrinsic
+    def q8dot(typingctx: Any, w_addr: Any, n_chunks: Any, q_addr: Any, q_stride: Any, n_tok: Any,
+              out_addr: Any) -> Any:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            emit_q8_dot(builder, list(args), tile, ISA)
+            return context.get_dummy_value()
+
+        return types.void(*[types.intp] * 6), codegen
+
+    return q8dot
+
+
 ROWS_PER_TASK = 64  # weight rows per parallel task: 40 KB of codes at 2560 columns, a share of L2
 
 _dot_row_1 = _make_dot(1, False)
 _dot_row_tile = _make_dot(TILE, False)
 _dot_blocks_1 = _make_dot(1, True)
 _dot_blocks_tile = _make_dot(TILE, True)
+_q8_dot_1 = _make_q8_dot(1)
+_q8_dot = _make_q8_dot(TILE)
 
 # -- activation quantization (float32 arithmetic exactly as the reference: no fastmath) -----------
 
@@ -228,3 +246,35 @@ def bitlinear_block256(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, rev
     out = np.empty((n, codes.shape[0]), np.float32)
     matmul_blockscale(codes, q, qsum, scales, d, True, out)
     return out
+
+
+# -- the int8 LM head ---------------------------------------------------------------------------------
+
+@njit(parallel=True, cache=CACHE)  # no fastmath: the float64 epilogue is the reference's, to the bit
+def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarray, rows_per_task: int,
+               out: np.ndarray) -> None:
+    """out[t, r] = sum_i q[t, i] * table[r, i] * scale[r] / s[t]: int8 codes in [-127, 127], an exact int32 sum.
+
+    TILE tokens share each pass over a table row (the row stays in L1); the columns past the last
+    whole CHUNK are summed here.
+    """
+    vocab, dim = table.shape
+    n = q.shape[0]
+    whole = dim // CHUNK
+    qstride = q.strides[0]
+    for task in prange((vocab + rows_per_task - 1) // rows_per_task):
+        isum = np.empty(TILE, np.int32)
+        for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
+            waddr = table.ctypes.data + r * table.strides[0]
+            for t0 in range(0, n, TILE):
+                nt = min(TILE, n - t0)
+                if nt == 1:
+                    _q8_dot_1(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 1, isum.ctypes.data)
+                else:
+                    _q8_dot(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data)
+                for i in range(nt):
+                    t = t0 + i
+                    acc = isum[i]
+                    for c in range(whole * CHUNK, dim):
+                        acc += np.int32(table[r, c]) * np.int32(q[t, c])
+                    out[t, r] = np.float32(np.float64(acc) * np.float64(scale[r]) / np.float64(s[t]))
