@@ -401,6 +401,7 @@ LLAMA_CPP_CONFIGS = [
     ("gpt2-stress-llama-bpe", "gpt2", "stress", "llama-bpe"),
     ("gpt2-stress-missing-pre", "gpt2", "stress", None),
     ("gpt2-stress-gpt-2", "gpt2", "stress", "gpt-2"),
+    ("gpt2-stress-falcon-h1", "gpt2", "stress", "falcon-h1"),  # llama.cpp's name for Falcon-E's tokenizer
     ("llama", "llama", 1000, "keep"),
     ("llama-padded", "llama", 4096, "keep"),
     ("llama-stress", "llama", "stress", "keep"),
@@ -513,3 +514,49 @@ def test_llama_cpp_agrees_on_pieces(pair: tuple[Tokenizer, Any]) -> None:
     for i in [*range(min(n, 1100)), n - 1]:
         k = llama_cpp.llama_token_to_piece(vocab, i, buf, len(buf), 0, False)
         assert ours.token_bytes(i) == buf.raw[:k], i
+
+
+# -- falcon_e: Falcon-E's GGUF files as bitnet.cpp converts them -----------------------------
+
+def _falcon_hf_tokenizer(md: dict[str, Any]) -> Any:
+    """The tokenizer Falcon's Hugging Face pipeline makes of a GGUF vocabulary, built from HF
+    `tokenizers`' own pre-tokenizers rather than from regexes: Punctuation ("contiguous"), then
+    ByteLevel with GPT-2's regex, then Digits(individual_digits=True), and rank-ordered merges.
+    That is the pipeline bitnet.cpp's three falcon_e regexes spell out (bitnet.text.tokenizer's
+    FALCON_E_REGEXES); llama.cpp does not know "falcon_e", so it cannot be the oracle here."""
+    from tokenizers import AddedToken, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {t: i for i, t in enumerate(md["tokenizer.ggml.tokens"])}
+    # A repeated merge keeps its first rank, as llama.cpp reads GGUF merges (HF would keep the last).
+    merges = list(dict.fromkeys(tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]))
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    # User-defined tokens are matched whole before anything else: HF's added tokens.
+    user = [t for t, k in zip(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], strict=True) if k == 4]
+    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Punctuation("contiguous"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        pre_tokenizers.Digits(individual_digits=True),
+    ])
+    return hf
+
+
+def test_falcon_e_matches_falcons_hf_pipeline() -> None:
+    md = _stress_metadata("gpt2")  # merges across words, digits, punctuation and whitespace
+    md["tokenizer.ggml.pre"] = "falcon_e"
+    del md["tokenizer.ggml.add_bos_token"]
+    ours, hf = Tokenizer.from_metadata(md), _falcon_hf_tokenizer(md)
+    assert not ours.add_bos  # bitnet.cpp's default for falcon_e, as for gpt-2
+    # Texts without UTF-8 bytes 0xB2/B3/B9/BC-BE: HF's Digits runs on the byte-level alphabet,
+    # where those bytes are the characters ² ³ ¹ ¼ ½ ¾ and count as digits; bitnet.cpp's [0-9] runs
+    # on the text, as ours does.
+    texts = [t for t in _REFERENCE_TEXTS if not any(0xB2 <= b <= 0xBE for b in t.encode())]
+    got = [ours.encode(t) for t in texts]
+    assert got == [hf.encode(t, add_special_tokens=False).ids for t in texts]
+    # The texts tell the pre-tokenizers apart: Llama-3's regex (llama.cpp's falcon3 / falcon-h1)
+    # and the default one give other ids for many of them.
+    for other in ("falcon-h1", "default"):
+        md["tokenizer.ggml.pre"] = other
+        wrong = Tokenizer.from_metadata(md)
+        assert sum(wrong.encode(t, add_bos=False) != g for t, g in zip(texts, got, strict=True)) >= 5

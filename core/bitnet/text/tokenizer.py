@@ -17,7 +17,8 @@ llama-cpp-python in tests/test_tokenizer.py):
   ``special`` defaults to False, as in llama-cpp-python's ``Llama.tokenize``;
 - a missing ``tokenizer.ggml.pre`` means "default" (llama.cpp warns); an unknown one is
   an error (llama.cpp throws too). Only the pre-tokenizers listed in ``_PRE_TYPES`` are
-  supported; other names llama.cpp knows raise ModelError naming them;
+  supported; other names llama.cpp knows raise ModelError naming them. ``falcon_e``, which
+  llama.cpp does not know, follows bitnet.cpp's llama.cpp fork (see FALCON_E_REGEXES);
 - Llama-3 pre-tokenizers (``llama-bpe``...) set ``ignore_merges`` and default
   ``add_bos_token`` to true; ``gpt-2`` and ``default`` default it to false, SPM to true;
 - repeated merges keep their first rank; empty tokens become ``[EMPTY_<id>]``;
@@ -78,6 +79,18 @@ DEFAULT_REGEXES = (
     r"[0-9][0-9][0-9]",
 )
 
+# "falcon_e" (Falcon-E 1B/3B, base and instruct): the name microsoft/BitNet's
+# utils/convert-hf-to-gguf-bitnet.py (get_vocab_base_pre) writes for that tokenizer. llama.cpp does
+# not know it (it names the same tokenizer hash "falcon-h1", below). bitnet.cpp's llama.cpp fork
+# (Eddie-Wang1120/llama.cpp as pinned by microsoft/BitNet from May 2025: src/llama.cpp llm_load_vocab
+# maps it to LLAMA_VOCAB_PRE_TYPE_FALCON_E, src/llama-vocab.cpp llm_tokenizer_bpe gives the regexes)
+# splits with these three regexes in turn, merges by rank (no ignore_merges) and does not add BOS
+# unless the file says so. They are Falcon's Hugging Face pipeline: a run of punctuation
+# (Punctuation, "contiguous"; ASCII symbols count as punctuation there), GPT-2's regex (ByteLevel's)
+# and every ASCII digit on its own (Digits, individual_digits). The fork reads "falcon3" the same
+# way; for "falcon3" this module follows llama.cpp (Llama-3's regex), which the tests cross-validate.
+FALCON_E_REGEXES = (r"[\p{P}\$\+<=>\^~\|`]+", DEFAULT_REGEXES[1], r"[0-9]")
+
 # tokenizer.ggml.pre value -> (regexes, ignore_merges, default add_bos), as in
 # llama.cpp's llama_vocab::impl::load. A missing key means "default" (llama.cpp warns).
 _PRE_TYPES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
@@ -86,6 +99,8 @@ _PRE_TYPES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "llama-v3": ((LLAMA3_REGEX,), True, True),
     "llama-bpe": ((LLAMA3_REGEX,), True, True),
     "falcon3": ((LLAMA3_REGEX,), True, True),
+    "falcon-h1": ((LLAMA3_REGEX,), True, True),  # llama.cpp's name for Falcon-E's (and Falcon-H1's) hash
+    "falcon_e": (FALCON_E_REGEXES, False, False),
     "dbrx": ((LLAMA3_REGEX,), False, False),
     "smaug-bpe": ((LLAMA3_REGEX,), False, False),
     "gpt-2": ((GPT2_REGEX,), False, False),
