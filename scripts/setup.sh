@@ -9,6 +9,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e "./core[server]" -e ./plugins/cpu -e "./plugins/opencl[pocl,intel]"
 .venv/bin/python -m pip install -q -e ./plugins/cuda
+# Compile the CPU kernels for this machine now (20-40 s, cached on disk), not in the first run.
+.venv/bin/bitnet-select --device cpu warmup
 if [ "${1:-}" = "--dev" ]; then
   .venv/bin/python -m pip install -q -r requirements-dev.txt
   # Ray Serve for tests/test_server_ray.py (about 1 minute and 0.5 GB on a fresh machine).

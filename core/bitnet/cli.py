@@ -511,3 +511,23 @@ def remove_model(target: str) -> None:
 
     n, freed = hub.remove(target)
     click.echo(f"removed {n} file{'s' if n != 1 else ''} of {target}, freed {freed}")
+
+
+@main.command()
+@click.pass_context
+def warmup(ctx: click.Context) -> None:
+    """Compile the device's kernels for this machine now (they are cached on disk), not in the first run.
+
+    Runs small models of every weight layout, activation quantization and LM head once."""
+    from bitnet.tools.warmup import CASES
+    from bitnet.tools.warmup import warmup as run_warmup
+
+    done = [0]
+
+    def report(model: str, act_quant: str, lm_head: str, seconds: float) -> None:
+        done[0] += 1
+        click.echo(f"[{done[0]}/{len(CASES)}] {model}, act-quant {act_quant}, lm-head {lm_head}: {seconds:.1f} s",
+                   err=True)
+
+    total = run_warmup(ctx.obj["device"], report)
+    click.echo(f"warmup done in {total:.1f} s")
