@@ -404,43 +404,53 @@ def _check_rope_freqs(t: ReaderTensor | None, cfg: ModelConfig) -> None:
                          "(Llama 3.1-style RoPE scaling), which this engine does not implement")
 
 
-def _release_pages(reader: Reader | _Mapped, t: ReaderTensor | _Tensor) -> None:
-    """Drop a converted tensor's file pages from this process's resident set.
+def _mapped_span(a: np.ndarray) -> tuple[np.memmap, int, int] | None:
+    """The memory-mapped file array `a` is a view of, and the byte range of the file it spans."""
+    base = a
+    while isinstance(base, np.ndarray) and isinstance(base.base, np.ndarray):
+        base = base.base
+    if not isinstance(base, np.memmap):  # a copy in memory
+        return None
+    lo = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    last = sum((n - 1) * step for n, step in zip(a.shape, a.strides, strict=True))  # views step forward
+    return base, lo, lo + last + a.itemsize
 
-    Projections copied out of the mapping into the canonical layout (all but TQ2_0 and I2_S,
-    which are used in place) would otherwise count twice toward the peak RSS (the copy and the file page,
-    touched once by the conversion). The data stays in the page cache and re-faults if read.
+
+def release_pages(a: np.ndarray) -> None:
+    """Drop the file pages under `a`, a view of a mapped file, from this process's resident set.
+
+    For data read once and kept in another form (a projection converted to the canonical layout, an
+    LM head copied to int8), so that it does not count twice toward the peak RSS. The data stays in
+    the page cache and re-faults if read again. Anything else (an array in memory) is left alone.
     """
-    mapping = getattr(reader.data, "_mmap", None)
+    span = _mapped_span(a) if a.size else None
+    mapping = getattr(span[0], "_mmap", None) if span else None
     if mapping is None or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
+    base, lo, hi = span
+    skip = int(base.offset) % mmap.ALLOCATIONGRANULARITY  # where NumPy's mapping puts the array's first byte
     page = mmap.PAGESIZE
-    start = -(-int(t.data_offset) // page) * page
-    end = (int(t.data_offset) + int(t.n_bytes)) // page * page
+    start, end = -(-(skip + lo) // page) * page, (skip + hi) // page * page
     if end > start:
         mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def map_pages(model: Model) -> threading.Thread:
+def map_pages(model: Model, lm_head: str = "f16") -> threading.Thread:
     """Fault in the file pages of every tensor the model uses in place, on a thread of its own: one
     NumPy read per 4 KB page, without the GIL. Join it before the first forward pass.
 
     A file the load cache knows is not read during load_model, so without this its page faults
     (~0.08 s of one core for 1.1 GB) would land in the first token. (llama.cpp maps its file with
-    MAP_POPULATE at load.) Beside the tokenizer's build they cost no time.
+    MAP_POPULATE at load.) Beside the tokenizer's build they cost no time. With the int8 LM head the
+    float tables are read once, by the head's build, and then a row per token: they are left out.
     """
     spans: dict[int, tuple[np.memmap, list[tuple[int, int]]]] = {}  # per mapped file: byte ranges
-    arrays = [model.token_embd, model.output,
-              *(getattr(layer, field).codes for layer in model.layers for field, _ in _PROJECTIONS)]
+    tables = [model.token_embd, model.output] if lm_head == "f16" else []
+    arrays = [*tables, *(getattr(layer, field).codes for layer in model.layers for field, _ in _PROJECTIONS)]
     for a in arrays:
-        base = a
-        while isinstance(base, np.ndarray) and isinstance(base.base, np.ndarray):
-            base = base.base
-        if not isinstance(base, np.memmap):  # a copy in memory, or no separate LM head
-            continue
-        lo = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-        last = sum((n - 1) * step for n, step in zip(a.shape, a.strides, strict=True))  # views step forward
-        spans.setdefault(id(base), (base, []))[1].append((lo, lo + last + a.itemsize))
+        span = _mapped_span(a) if isinstance(a, np.ndarray) else None
+        if span is not None:
+            spans.setdefault(id(span[0]), (span[0], []))[1].append(span[1:])
     regions = []
     for base, ranges in spans.values():
         ranges.sort()
@@ -514,7 +524,7 @@ def _build(path: str, reader: Reader | _Mapped, progress: Callable[[int, int], N
         # A float `llama` file may be an ordinary full-precision Llama: never ternarize it silently.
         m = _ternary(tensors[name], scales.get(name), master_ok=not llama, check=check)
         if not np.may_share_memory(m.codes, tensors[name].data):  # a copy: the file pages are spent
-            _release_pages(reader, tensors[name])
+            release_pages(tensors[name].data)
         if llama and name.endswith(("attn_q.weight", "attn_k.weight")):
             m = _neox_rows(m, m.rows // cfg.head_dim, cfg.head_dim)
         return m

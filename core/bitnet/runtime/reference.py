@@ -89,12 +89,15 @@ def q8_table(table: np.ndarray) -> Q8Table:
     same 98.4 % top-1), but their per-block float epilogue, in the fixed order that keeps results
     bit-exact, made the numba head 6x slower at batch 1 and 10x slower at batch 8.
     """
+    from bitnet.modelfile.model import release_pages
+
     vocab = table.shape[0]
     q, scale = np.empty(table.shape, np.int8), np.empty(vocab, np.float32)
     step = 4096  # bounds the float32 temporaries of an F16 table of 128k rows
     for lo in range(0, vocab, step):
         qc, s = quantize_rows(table[lo:lo + step])
         q[lo:lo + step], scale[lo:lo + step] = qc, np.float32(1.0) / s
+        release_pages(table[lo:lo + step])  # a mapped table: its float pages are spent
     return Q8Table(q, scale)
 
 

@@ -20,6 +20,7 @@ import numba
 import numpy as np
 
 from bitnet.errors import UsageError
+from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime.provider import ACTIVATIONS
 from bitnet.runtime.reference import Q8Table, ReferenceProvider, check_act_quant, quantize_rows, store_kv
@@ -36,6 +37,8 @@ _LUT16 = _LUT.view(np.complex128).reshape(256)
 
 # Rows unpacked per chunk: about an L2 cache of float32 (measured best of 128 KB..4 MB at n = 1 and 128).
 _CHUNK_BYTES = 512 << 10
+# Rows of the int8 LM head built at a time (40 MB of F16 at dim 2560), each part's file pages released after.
+_Q8_BUILD_ROWS = 8192
 # LM-head rows per parallel task: 2.5 MB of F16 at dim 2560, many tasks for few threads.
 _LM_HEAD_ROWS = 512
 
@@ -174,10 +177,13 @@ class CpuProvider(ReferenceProvider):
         self._use_threads()
         table = np.asarray(table)
         q, scale = np.empty(table.shape, np.int8), np.empty(table.shape[0], np.float32)
-        if table.dtype == np.float16:
-            fk.q8_table_f16(np.ascontiguousarray(table).view(np.uint16), q, scale)
-        else:
-            fk.q8_table_f32(np.ascontiguousarray(table, dtype=np.float32), q, scale)
+        for lo in range(0, table.shape[0], _Q8_BUILD_ROWS):
+            part, hi = table[lo:lo + _Q8_BUILD_ROWS], lo + _Q8_BUILD_ROWS
+            if table.dtype == np.float16:
+                fk.q8_table_f16(np.ascontiguousarray(part).view(np.uint16), q[lo:hi], scale[lo:hi])
+            else:
+                fk.q8_table_f32(np.ascontiguousarray(part, dtype=np.float32), q[lo:hi], scale[lo:hi])
+            release_pages(part)  # a mapped table's float pages are spent: the peak RSS holds one part
         return Q8Table(q, scale)
 
     def lm_head_q8(self, x: Any, table: Q8Table) -> Any:

@@ -1,0 +1,62 @@
+"""Peak RSS: file pages read once and kept in another form leave the resident set (release_pages), and the
+int8 LM head's load neither prefaults nor keeps the float table it was built from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bitnet
+from bitnet.modelfile.model import release_pages
+from bitnet.modelfile.writer import SyntheticSpec, write_model
+
+MB = 1 << 20
+
+
+def resident(path: Path) -> int:
+    """Bytes of `path`'s pages resident in this process (every mapping of it, from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.fixture
+def mapped(tmp_path: Path) -> tuple[Path, np.memmap]:
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.arange(16 * MB, dtype=np.uint8).tobytes())
+    return path, np.memmap(path, mode="r", offset=4096 * 3)  # a mapping that does not start the file
+
+
+def test_release_pages_drops_exactly_the_view(mapped: tuple[Path, np.memmap]) -> None:
+    path, data = mapped
+    table = data[:12 * MB].reshape(-1, 4096)
+    int(table.max())  # every page touched
+    assert resident(path) >= 12 * MB
+    release_pages(table[: table.shape[0] // 2])
+    assert 5.9 * MB < resident(path) < 6.1 * MB + 8192  # the other half stays, and nothing else went
+    assert int(table[:2].sum()) == int(np.asarray(table[:2]).astype(np.int64).sum())  # the data re-faults
+    release_pages(np.zeros(4 * MB, np.uint8))  # an array in memory: left alone, no error
+
+
+def _model(tmp_path: Path) -> Path:
+    # A 2B-4T-like file whose embedding (tied head) dominates: 16000 x 512 F16 = 15.6 MB.
+    spec = SyntheticSpec(arch="bitnet-b1.58", weight_type="i2_s", n_layers=1, dim=512, ffn_dim=512, vocab_size=16000)
+    return write_model(tmp_path / "m.gguf", spec)
+
+
+def test_the_int8_head_keeps_no_float_table_resident(tmp_path: Path) -> None:
+    path = _model(tmp_path)
+    table = 16000 * 512 * 2
+    with bitnet.load(str(path), device="cpu", n_ctx=32, lm_head="f16") as eng:
+        "".join(eng.generate("Hello", max_tokens=2))
+        assert resident(path) >= table  # the F16 head streams the whole table every step
+    with bitnet.load(str(path), device="cpu", n_ctx=32, lm_head="q8") as eng:
+        "".join(eng.generate("Hello", max_tokens=2))
+        assert resident(path) < table / 4  # projections, norms and the embedding rows looked up
