@@ -136,7 +136,7 @@ def test_master_weights_are_ternarized_with_absmean(tmp_path: Path, weight_type:
     assert np.array_equal(w.values(), ref["blk.1.ffn_down.weight"])
 
 
-@pytest.mark.parametrize("embd_type", ["f32", "bf16", "q8_0"])  # loaded as float32
+@pytest.mark.parametrize("embd_type", ["f32", "bf16", "q8_0", "q6_k"])  # loaded as float32
 def test_untied_output_and_embedding_types(tmp_path: Path, embd_type: str) -> None:
     spec = SyntheticSpec(embd_type=embd_type, tied=False)
     m = load_model(write_model(tmp_path / "m.gguf", spec))

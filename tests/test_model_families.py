@@ -25,18 +25,20 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llama
 
 from test_crossval_llama import (  # noqa: E402
     GGML_TYPE_F32,
+    LLAMA_POOLING_TYPE_NONE,
     RULE_FLOAT_F16,
     RULE_FLOAT_F32,
     RULE_Q8K,
     RULE_Q8K_LONG,
     Rule,
     judge,
+    llama_hidden,
     llama_logits,
 )
 
 import bitnet  # noqa: E402
 from bitnet.errors import ModelError  # noqa: E402
-from bitnet.modelfile.writer import SyntheticSpec, write_model  # noqa: E402
+from bitnet.modelfile.writer import SyntheticSpec, synthetic_weights, write_model  # noqa: E402
 
 pytestmark = pytest.mark.llama
 N_CTX = 64
@@ -46,6 +48,14 @@ SMALL: dict[str, Any] = {"n_layers": 2, "dim": 256, "n_heads": 4, "n_kv_heads": 
 # BitNet b1.58 2B-4T as on the Hub: bitnet-b1.58, I2_S, F16 embedding, Llama-3 BPE without tokenizer.ggml.pre.
 B2B4T = SyntheticSpec(arch="bitnet-b1.58", weight_type="i2_s", embd_type="f16", tokenizer="gpt2", tokenizer_pre=None,
                       rope_theta=500000.0, seed=21, **SMALL)
+# bitnet.cpp's --quant-embd variant of 2B-4T: the token embedding (the tied LM head) as Q6_K
+# (microsoft/BitNet src/README.md: llama-quantize --token-embedding-type Q6_K ... I2_S 1 1).
+B2B4T_Q6K = dataclasses.replace(B2B4T, embd_type="q6_k")
+# llama.cpp multiplies a quantized LM head by its input quantized to 8 bits (Q8_K for Q6_K), which
+# moves every logit: measured median 8e-3, worst 0.013 of the largest logit on TEXT (0.026 over 633
+# positions of 16 short prompts), with our q8 or float head alike; a wrong Q6_K layout moves them by ~1.
+RULE_Q8K_QHEAD = Rule("block256 vs Q8_K, 8-bit LM head input", tight=0.02, min_fraction=0.9, worst=0.05,
+                      margin=0.03)
 # 1bitLLM bitnet_b1_58-large as llama.cpp converts it: bitnet, SiLU, sub-norms, SentencePiece vocabulary.
 LARGE = SyntheticSpec(arch="bitnet", weight_type="tq2_0", embd_type="f16", tokenizer="llama", seed=22, **SMALL)
 # 1bitLLM bitnet_b1_58-3B's real widths (one layer): not multiples of 256, nor of 128 for the FFN.
@@ -125,6 +135,36 @@ def test_2b4t_official_i2s(files: Files) -> None:
 def test_2b4t_bitnet25_upload_with_rope_freqs(files: Files) -> None:
     spec = twin(B2B4T, arch="bitnet-25", rope_freqs=True)
     assert np.array_equal(files.ours("2b4t.b25", spec), files.ours("2b4t", B2B4T))
+
+
+def test_2b4t_quant_embd_q6_k(files: Files) -> None:
+    eng = bitnet.load(files.path("2b4t.q6k", B2B4T_Q6K), device="cpu", n_ctx=N_CTX)
+    assert eng.model.weight_types == {"F32": 1 + 4 * 2, "Q6_K": 1, "I2_S": 14}
+    assert eng.transformer.lm_head_format == "q8"  # auto: the head is stored quantized
+    eng.close()
+    assert np.array_equal(files.ours("2b4t.q6k", B2B4T_Q6K),
+                          files.ours("2b4t.q6k.tq2", twin(B2B4T_Q6K, weight_type="tq2_0")))
+    # llama.cpp has no bitnet-b1.58; its `bitnet` twins (SiLU) hold the same Q6_K bytes. Its token
+    # lookups decode them exactly: on the F32 twin its final hidden states times our decoding of the
+    # table give our float-head logits as tightly as float weights agree.
+    spec = twin(B2B4T_Q6K, arch="bitnet", weight_type="f32")
+    table = synthetic_weights(spec)["token_embd.weight"].astype(np.float64)
+    ours = bitnet.load(files.path("q6k.bitnet.f32", spec), device="cpu", n_ctx=N_CTX, act_quant="none",
+                       lm_head="f16")
+    try:
+        llm = llama_cpp.Llama(model_path=files.path("q6k.bitnet.f32", spec), n_ctx=N_CTX, n_batch=N_CTX,
+                              n_threads=2, verbose=False, flash_attn=False, type_k=GGML_TYPE_F32,
+                              type_v=GGML_TYPE_F32, embedding=True, pooling_type=LLAMA_POOLING_TYPE_NONE)
+        try:
+            ids = ours.tokenize(TEXT)
+            verdict = judge(ours.logits(ids), llama_hidden(llm, ids) @ table.T, RULE_FLOAT_F32)
+        finally:
+            llm.close()
+    finally:
+        ours.close()
+    assert verdict.ok, str(verdict)  # measured worst 7e-7
+    # And its own logits, through its Q6_K x Q8_K dot products, on the TQ2_0 twin.
+    crossval(files, "q6k.bitnet.tq2_0", twin(spec, weight_type="tq2_0"), "block256", RULE_Q8K_QHEAD)
 
 
 # -- 1bitLLM bitnet_b1_58-large and -3B --------------------------------------------------------------

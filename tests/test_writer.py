@@ -104,6 +104,8 @@ def test_bad_specs(tmp_path: Path) -> None:
         synthetic_weights(SyntheticSpec(weight_type="q4_0"))
     with pytest.raises(ValueError, match="scales"):
         synthetic_weights(SyntheticSpec(weight_type="f16", float_master=True, scales=True))
+    with pytest.raises(ValueError, match="q6_k"):  # 256-value blocks
+        synthetic_weights(SyntheticSpec(embd_type="q6_k", dim=128, n_heads=2, n_kv_heads=1))
 
 
 def test_2b4t_preset_shape_and_size() -> None:

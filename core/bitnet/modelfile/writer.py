@@ -24,12 +24,13 @@ from gguf.gguf_writer import TensorInfo, WriterState
 from gguf.quants import dequantize, quantize
 
 from bitnet.modelfile import formats
+from bitnet.modelfile.q6_k import dequantize_q6_k, quantize_q6_k
 from bitnet.text.synthetic_vocab import synthetic_tokenizer_metadata
 
 WEIGHT_TYPES = ("tq2_0", "tq1_0", "i2_s", "f32", "f16", "bf16")
-EMBD_TYPES = ("f16", "f32", "bf16", "q8_0")
+EMBD_TYPES = ("f16", "f32", "bf16", "q8_0", "q6_k")
 _GGML_TYPE = {"tq2_0": formats.GGML_TQ2_0, "tq1_0": formats.GGML_TQ1_0, "i2_s": formats.GGML_I2_S,
-              **{name: int(GGMLQuantizationType[name.upper()]) for name in ("f32", "f16", "bf16", "q8_0")}}
+              **{name: int(GGMLQuantizationType[name.upper()]) for name in ("f32", "f16", "bf16", "q8_0", "q6_k")}}
 _EMBD_ROWS_PER_CHUNK = 4096  # fixed, so the embedding is the same however it is consumed
 
 
@@ -45,7 +46,7 @@ class SyntheticSpec:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     weight_type: str = "tq2_0"  # tq2_0 | tq1_0 | i2_s | f32 | f16 | bf16
-    embd_type: str = "f16"  # f16 | f32 (also bf16, q8_0: loaded as float32)
+    embd_type: str = "f16"  # f16 | f32 (also bf16, q8_0, q6_k: loaded as float32)
     tokenizer: str = "gpt2"  # gpt2 | llama
     vocab_size: int = 512
     tied: bool = True  # False writes output.weight
@@ -77,6 +78,8 @@ def _check(spec: SyntheticSpec) -> None:
         raise ValueError(f"weight_type {spec.weight_type!r} not in {WEIGHT_TYPES}")
     if spec.embd_type not in EMBD_TYPES:
         raise ValueError(f"embd_type {spec.embd_type!r} not in {EMBD_TYPES}")
+    if spec.embd_type == "q6_k" and spec.dim % 256:
+        raise ValueError("q6_k embeddings are 256-value blocks: dim must be a multiple of 256")
     if spec.float_master and spec.weight_type not in ("f32", "f16", "bf16"):
         raise ValueError("float_master needs weight_type f32, f16 or bf16")
     if spec.float_master and spec.scales:
@@ -165,7 +168,7 @@ def _norm(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _embd_chunks(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-    """The embedding as stored (F16/F32 arrays, BF16/Q8_0 bytes), a fixed number of rows at a time."""
+    """The embedding as stored (F16/F32 arrays, BF16/Q8_0/Q6_K bytes), a fixed number of rows at a time."""
     # std 2/sqrt(dim): with a tied LM head, logits of a normalized hidden state spread a few units.
     std = np.float32(2 / np.sqrt(shape[1]))
     for k, r in enumerate(range(0, shape[0], _EMBD_ROWS_PER_CHUNK)):
@@ -175,6 +178,8 @@ def _embd_chunks(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> Iter
             yield formats.float32_to_bf16(x)
         elif spec.embd_type == "q8_0":
             yield quantize(x, GGMLQuantizationType.Q8_0)
+        elif spec.embd_type == "q6_k":  # gguf-py cannot quantize Q6_K
+            yield quantize_q6_k(x)
         else:
             yield x.astype(np.float16 if spec.embd_type == "f16" else np.float32)
 
@@ -185,6 +190,8 @@ def _decode_embd(spec: SyntheticSpec, chunk: np.ndarray) -> np.ndarray:
         return formats.bf16_to_float32(chunk)
     if spec.embd_type == "q8_0":
         return dequantize(chunk, GGMLQuantizationType.Q8_0)
+    if spec.embd_type == "q6_k":
+        return dequantize_q6_k(chunk)
     return chunk
 
 
