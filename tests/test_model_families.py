@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from float_reference import forward
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llama.cpp oracle) is not installed")
 
@@ -58,6 +59,12 @@ RULE_Q8K_QHEAD = Rule("block256 vs Q8_K, 8-bit LM head input", tight=0.02, min_f
                       margin=0.03)
 # 1bitLLM bitnet_b1_58-large as llama.cpp converts it: bitnet, SiLU, sub-norms, SentencePiece vocabulary.
 LARGE = SyntheticSpec(arch="bitnet", weight_type="tq2_0", embd_type="f16", tokenizer="llama", seed=22, **SMALL)
+# 1bitLLM bitnet_b1_58-large as bitnet.cpp's converter writes it since July 2026 (microsoft/BitNet
+# utils/convert-hf-to-gguf-bitnet.py, BitnetModel: model_arch = MODEL_ARCH.BITNET_B158, before that
+# MODEL_ARCH.BITNET): `bitnet-b1.58`, the label of 2B-4T, and no hidden_act key, though its Hugging Face
+# config says SiLU. Multi-head attention (16 + 16 heads in the real model), RoPE base 10000.
+LARGE_B158 = SyntheticSpec(arch="bitnet-b1.58", weight_type="i2_s", embd_type="f16", tokenizer="llama", seed=27,
+                           **{**SMALL, "n_kv_heads": SMALL["n_heads"]})
 # 1bitLLM bitnet_b1_58-3B's real widths (one layer): not multiples of 256, nor of 128 for the FFN.
 WIDE = SyntheticSpec(arch="bitnet", weight_type="f16", embd_type="f32", tokenizer="llama", n_layers=1, dim=3200,
                      n_heads=32, n_kv_heads=32, ffn_dim=8640, vocab_size=512, seed=23)
@@ -177,6 +184,29 @@ def test_1bitllm_large_as_llamacpp_converts_it(files: Files, weight_type: str, a
 
 def test_1bitllm_large_as_bitnetcpp_converts_it(files: Files) -> None:
     assert np.array_equal(files.ours("large.i2s", twin(LARGE, weight_type="i2_s")), files.ours("large.tq2_0", LARGE))
+
+
+def test_1bitllm_large_as_bitnetcpp_converts_it_today(files: Files) -> None:
+    """bitnet.cpp runs such a file with squared ReLU: its llama.cpp fork (Eddie-Wang1120/llama.cpp,
+    src/llama.cpp) sends LLM_ARCH_BITNET_B158 to build_bitnet_158, whose FFN is LLM_FFN_RELU_SQR, and
+    reads no activation key (LLM_ARCH_BITNET's build_bitnet is LLM_FFN_SILU). Nothing else in the
+    file tells the two models apart, so we do the same."""
+    eng = bitnet.load(files.path("large.b158", LARGE_B158), device="cpu", n_ctx=N_CTX, act_quant="none")
+    try:
+        cfg = eng.model.config
+        assert (cfg.arch, cfg.activation) == ("bitnet-b1.58", "relu2")
+        assert "bitnet-b1.58.hidden_act" not in eng.model.metadata and eng.model.layers[0].ffn_sub_norm is not None
+        ids = eng.tokenize(TEXT)
+        got = eng.logits(ids)
+        # The float64 reference with squared ReLU (measured 6e-7); with SiLU it is 0.4 of the largest logit off.
+        want = forward(eng.model, ids, "none")
+        silu = forward(dataclasses.replace(eng.model, config=dataclasses.replace(cfg, activation="silu")), ids, "none")
+    finally:
+        eng.close()
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    assert np.abs(got - silu).max() > 0.1 * np.abs(silu).max()
+    assert np.array_equal(files.ours("large.b158", LARGE_B158),
+                          files.ours("large.b158.tq2", twin(LARGE_B158, weight_type="tq2_0")))
 
 
 def test_1bitllm_3b_widths(files: Files) -> None:

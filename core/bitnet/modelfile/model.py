@@ -31,6 +31,10 @@ if TYPE_CHECKING:  # gguf is imported only to read a file whole (gguf_reader), n
 
 # Architecture -> default FFN activation. `llama` is what bitnet.cpp's converter writes for Llama3-8B-1.58
 # and the Falcon3 / Falcon-E 1.58-bit models (no sub-norms), accepted only with ternary projections.
+# `bitnet-b1.58` stays squared ReLU even for 1bitLLM's SiLU-trained models, which microsoft/BitNet's
+# utils/convert-hf-to-gguf-bitnet.py (BitnetModel) labels so since July 2026 without a hidden_act:
+# bitnet.cpp's llama.cpp fork runs that label through build_bitnet_158 (LLM_FFN_RELU_SQR) whatever
+# the file holds, and no key of such a file tells the two apart.
 ARCHITECTURES = {"bitnet": "silu", "bitnet-b1.58": "relu2", "bitnet-25": "relu2", "llama": "silu"}
 # Architectures without attn_sub_norm / ffn_sub_norm.
 _NO_SUB_NORMS = {"llama"}
