@@ -14,7 +14,10 @@ head, from one more process: top-1 agreement and mean KL divergence over the cro
     python benchmarks/bench_cpu.py --model /tmp/m-i2_s.gguf --llama-model /tmp/m-tq2_0.gguf
     python benchmarks/bench_cpu.py --model /tmp/m-tq2_0.gguf --lm-head q8
 
-llama.cpp cannot read I2_S: give its TQ2_0 twin (same shapes) as --llama-model.
+llama.cpp cannot read I2_S: give its TQ2_0 twin (same shapes) as --llama-model. Microsoft's bitnet.cpp
+(`--bitnet-cpp` its llama-bench, built by a tool outside this repository) joins the rotation with its
+own file (`--bitnet-cpp-model`: the same I2_S tensors written with `--arch bitnet`, the only
+architecture its llama.cpp fork knows); llama-bench reports decode and prefill, not load or RSS.
 Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0`.
 """
 
@@ -132,6 +135,17 @@ def worker_llama(model: str, threads: int, n_prompt: int, n_decode: int) -> dict
     return _finish(load_s, warm_s, n_prompt, prefill_s, n_decode, decode_s)
 
 
+def bitnet_cpp(bench: str, model: str, threads: int, n_prompt: int, n_decode: int, timeout: float) -> dict[str, Any]:
+    """One llama-bench run of bitnet.cpp: prefill and decode tokens/s (it measures no load time or RSS)."""
+    import subprocess
+
+    out = subprocess.run([bench, "-m", model, "-p", str(n_prompt), "-n", str(n_decode), "-t", str(threads),
+                          "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=timeout, check=True)
+    rows = json.loads(out.stdout)
+    tps = {("prefill_tps" if r["n_prompt"] else "decode_tps"): float(r["avg_ts"]) for r in rows}
+    return {**tps, "load_s": float("nan"), "rss_mb": float("nan")}
+
+
 def worker_bandwidth(threads: int) -> dict[str, Any]:
     """Read GB/s of `threads` numba threads streaming a 1 GB array, best of 5, with and without
     software prefetch (the kernels prefetch, and beat a plain loop's figure by up to 40 %)."""
@@ -209,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--act-quant", default="row")
     ap.add_argument("--lm-head", choices=("f16", "q8", "auto"), default="auto",
                     help="our LM head (llama.cpp runs the file's); q8 also prints its accuracy against f16")
+    ap.add_argument("--bitnet-cpp", metavar="LLAMA_BENCH", help="bitnet.cpp's llama-bench binary")
+    ap.add_argument("--bitnet-cpp-model", help="the file bitnet.cpp runs (I2_S, --arch bitnet)")
     ap.add_argument("--no-jit-probe", action="store_true", help="skip the empty-cache first-run measurement")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--timeout", type=float, default=1800)
@@ -246,36 +262,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first run, empty numba cache: warm-up {jit['warmup_s']:.1f} s (cached runs below)", file=log)
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     bandwidth = dict.fromkeys(threads, 0.0)  # the best probe of all runs: background load only lowers it
+    engines = ["ours", "llama"] + (["bitnet.cpp"] if args.bitnet_cpp else [])
+    names = {"ours": "ours", "llama": "llama.cpp", "bitnet.cpp": "bitnet.cpp"}
     for run in range(args.runs):
         for t in threads:
             bandwidth[t] = max(bandwidth[t], spawn("bandwidth", args, args.model, t)["gbps"])
-            order = ("ours", "llama") if run % 2 == 0 else ("llama", "ours")
-            for kind in order:
-                r = spawn(kind, args, args.model if kind == "ours" else llama_model, t)
+            for kind in engines[run % len(engines):] + engines[:run % len(engines)]:  # each goes first in turn
+                if kind == "bitnet.cpp":
+                    r = bitnet_cpp(args.bitnet_cpp, args.bitnet_cpp_model or args.model, t, args.prompt_tokens,
+                                   args.decode_tokens, args.timeout)
+                else:
+                    r = spawn(kind, args, args.model if kind == "ours" else llama_model, t)
                 results.setdefault((kind, t), []).append(r)
-                print(f"  run {run + 1} {kind:<5} t={t}: load {r['load_s']:.2f} s, "
+                print(f"  run {run + 1} {names[kind]:<10} t={t}: load {r['load_s']:.2f} s, "
                       f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps']:.2f} tok/s, "
                       f"RSS {r['rss_mb']:.0f} MB", file=log, flush=True)
 
     def med(kind: str, t: int, key: str) -> float:
         return statistics.median(r[key] for r in results[(kind, t)])
 
-    head = (f"{'thr':>3} {'engine':<10}{'decode t/s':>11}{'prefill t/s':>12}{'load s':>8}{'RSS MiB':>9}"
-            f"{'RSS/file':>9}{'bw-limit t/s':>13}{'of limit':>9}")
+    head = (f"{'thr':>3} {'engine':<12}{'decode t/s':>11}{'prefill t/s':>12}{'load s':>8}{'RSS MiB':>9}"
+            f"{'RSS/file':>9}{'bw-limit t/s':>13}{'of limit':>9}{'spread':>8}")
     print(head)
     print("-" * len(head))
     for t in threads:
         limit = bandwidth[t] / step_gb
-        for kind in ("ours", "llama"):
+        for kind in engines:
             dec = med(kind, t, "decode_tps")
-            print(f"{t:>3} {'ours' if kind == 'ours' else 'llama.cpp':<10}{dec:>11.2f}"
+            runs = [r["decode_tps"] for r in results[(kind, t)]]
+            print(f"{t:>3} {names[kind]:<12}{dec:>11.2f}"
                   f"{med(kind, t, 'prefill_tps'):>12.2f}{med(kind, t, 'load_s'):>8.2f}"
                   f"{med(kind, t, 'rss_mb'):>9.0f}"
-                  f"{med(kind, t, 'rss_mb') / size_mb:>9.2f}{limit:>13.2f}{dec / limit:>9.0%}")
-        ratios = {k: med("ours", t, k) / med("llama", t, k)
-                  for k in ("decode_tps", "prefill_tps", "load_s", "rss_mb")}
-        print(f"{t:>3} {'ours/llama':<10}{ratios['decode_tps']:>11.2f}{ratios['prefill_tps']:>12.2f}"
-              f"{ratios['load_s']:>8.2f}{ratios['rss_mb']:>9.2f}   (bandwidth probe {bandwidth[t]:.1f} GB/s)")
+                  f"{med(kind, t, 'rss_mb') / size_mb:>9.2f}{limit:>13.2f}{dec / limit:>9.0%}"
+                  f"{max(runs) / min(runs):>8.2f}")
+        for other in engines[1:]:
+            ratios = {k: med("ours", t, k) / med(other, t, k)
+                      for k in ("decode_tps", "prefill_tps", "load_s", "rss_mb")}
+            print(f"{t:>3} {'ours/' + names[other]:<12}{ratios['decode_tps']:>11.2f}{ratios['prefill_tps']:>12.2f}"
+                  f"{ratios['load_s']:>8.2f}{ratios['rss_mb']:>9.2f}")
+        print(f"{t:>3} bandwidth probe {bandwidth[t]:.1f} GB/s; spread = max/min decode over the runs")
     accuracy = spawn("accuracy", args, args.model, threads[-1]) if head_format == "q8" else {}
     if accuracy:
         print(f"LM head q8 vs f16 over {accuracy['positions']} positions of the cross-validation prompts: "
