@@ -522,8 +522,9 @@ def _falcon_hf_tokenizer(md: dict[str, Any]) -> Any:
     """The tokenizer Falcon's Hugging Face pipeline makes of a GGUF vocabulary, built from HF
     `tokenizers`' own pre-tokenizers rather than from regexes: Punctuation ("contiguous"), then
     ByteLevel with GPT-2's regex, then Digits(individual_digits=True), and rank-ordered merges.
-    That is the pipeline bitnet.cpp's three falcon_e regexes spell out (bitnet.text.tokenizer's
-    FALCON_E_REGEXES); llama.cpp does not know "falcon_e", so it cannot be the oracle here."""
+    That is the pipeline bitnet.cpp's three falcon_e regexes spell out
+    (bitnet.text.pretokenizers.FALCON_E_REGEXES); llama.cpp does not know "falcon_e", so it cannot
+    be the oracle here."""
     from tokenizers import AddedToken, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 

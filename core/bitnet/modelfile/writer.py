@@ -24,7 +24,7 @@ from gguf.gguf_writer import TensorInfo, WriterState
 from gguf.quants import dequantize, quantize
 
 from bitnet.modelfile import formats
-from bitnet.modelfile.q6_k import dequantize_q6_k, quantize_q6_k
+from bitnet.modelfile.q6_k import quantize_q6_k
 from bitnet.text.synthetic_vocab import synthetic_tokenizer_metadata
 
 WEIGHT_TYPES = ("tq2_0", "tq1_0", "i2_s", "f32", "f16", "bf16")
@@ -188,10 +188,8 @@ def _decode_embd(spec: SyntheticSpec, chunk: np.ndarray) -> np.ndarray:
     """A stored embedding chunk as the loader returns it (F16/F32 unchanged, the others as float32)."""
     if spec.embd_type == "bf16":
         return formats.bf16_to_float32(chunk)
-    if spec.embd_type == "q8_0":
-        return dequantize(chunk, GGMLQuantizationType.Q8_0)
-    if spec.embd_type == "q6_k":
-        return dequantize_q6_k(chunk)
+    if spec.embd_type in ("q8_0", "q6_k"):
+        return dequantize(chunk, GGMLQuantizationType[spec.embd_type.upper()])
     return chunk
 
 

@@ -11,8 +11,8 @@ import itertools
 from collections import Counter
 from typing import Any
 
+from bitnet.text.pretokenizers import LLAMA3_REGEX
 from bitnet.text.tokenizer import (
-    LLAMA3_REGEX,
     SPIECE_SPACE,
     TOKEN_BYTE,
     TOKEN_CONTROL,

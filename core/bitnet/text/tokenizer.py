@@ -16,9 +16,9 @@ llama-cpp-python in tests/test_tokenizer.py):
   first; control and unknown tokens only with ``special=True``, user-defined always.
   ``special`` defaults to False, as in llama-cpp-python's ``Llama.tokenize``;
 - a missing ``tokenizer.ggml.pre`` means "default" (llama.cpp warns); an unknown one is
-  an error (llama.cpp throws too). Only the pre-tokenizers listed in ``_PRE_TYPES`` are
+  an error (llama.cpp throws too). Only the pre-tokenizers listed in ``pretokenizers.PRE_TYPES`` are
   supported; other names llama.cpp knows raise ModelError naming them. ``falcon_e``, which
-  llama.cpp does not know, follows bitnet.cpp's llama.cpp fork (see FALCON_E_REGEXES);
+  llama.cpp does not know, follows bitnet.cpp's llama.cpp fork (see pretokenizers.FALCON_E_REGEXES);
 - Llama-3 pre-tokenizers (``llama-bpe``...) set ``ignore_merges`` and default
   ``add_bos_token`` to true; ``gpt-2`` and ``default`` default it to false, SPM to true;
 - repeated merges keep their first rank; empty tokens become ``[EMPTY_<id>]``;
@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bitnet.errors import ModelError
+from bitnet.text.pretokenizers import PRE_TYPES
 from bitnet.text.special_tokens import SpecialTokens
 
 __all__ = ["Tokenizer"]
@@ -61,51 +62,6 @@ TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
-
-# Pre-tokenizer regexes, copied from llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe).
-# LLAMA3 is llama.cpp's "adapted" form of the tokenizer.json regex: the case-insensitive
-# group (?i:...) is spelled out so every regex engine reads it the same way.
-LLAMA3_REGEX = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# LLAMA_VOCAB_PRE_TYPE_DEFAULT: four regexes applied one after another, each splitting
-# the pieces the previous one produced.
-DEFAULT_REGEXES = (
-    r"[\p{P}\$\+<=>\^~\|]+",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-    r"\p{N}+",
-    r"[0-9][0-9][0-9]",
-)
-
-# "falcon_e" (Falcon-E 1B/3B, base and instruct): the name microsoft/BitNet's
-# utils/convert-hf-to-gguf-bitnet.py (get_vocab_base_pre) writes for that tokenizer. llama.cpp does
-# not know it (it names the same tokenizer hash "falcon-h1", below). bitnet.cpp's llama.cpp fork
-# (Eddie-Wang1120/llama.cpp as pinned by microsoft/BitNet from May 2025: src/llama.cpp llm_load_vocab
-# maps it to LLAMA_VOCAB_PRE_TYPE_FALCON_E, src/llama-vocab.cpp llm_tokenizer_bpe gives the regexes)
-# splits with these three regexes in turn, merges by rank (no ignore_merges) and does not add BOS
-# unless the file says so. They are Falcon's Hugging Face pipeline: a run of punctuation
-# (Punctuation, "contiguous"; ASCII symbols count as punctuation there), GPT-2's regex (ByteLevel's)
-# and every ASCII digit on its own (Digits, individual_digits). The fork reads "falcon3" the same
-# way; for "falcon3" this module follows llama.cpp (Llama-3's regex), which the tests cross-validate.
-FALCON_E_REGEXES = (r"[\p{P}\$\+<=>\^~\|`]+", DEFAULT_REGEXES[1], r"[0-9]")
-
-# tokenizer.ggml.pre value -> (regexes, ignore_merges, default add_bos), as in
-# llama.cpp's llama_vocab::impl::load. A missing key means "default" (llama.cpp warns).
-_PRE_TYPES: dict[str, tuple[tuple[str, ...], bool, bool]] = {
-    "default": (DEFAULT_REGEXES, False, False),
-    "llama3": ((LLAMA3_REGEX,), True, True),
-    "llama-v3": ((LLAMA3_REGEX,), True, True),
-    "llama-bpe": ((LLAMA3_REGEX,), True, True),
-    "falcon3": ((LLAMA3_REGEX,), True, True),
-    "falcon-h1": ((LLAMA3_REGEX,), True, True),  # llama.cpp's name for Falcon-E's (and Falcon-H1's) hash
-    "falcon_e": (FALCON_E_REGEXES, False, False),
-    "dbrx": ((LLAMA3_REGEX,), False, False),
-    "smaug-bpe": ((LLAMA3_REGEX,), False, False),
-    "gpt-2": ((GPT2_REGEX,), False, False),
-    "phi-2": ((GPT2_REGEX,), False, False),
-}
 
 SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
@@ -316,12 +272,12 @@ class Tokenizer:
                 if pos > 0:
                     merges.append((m[:pos], m[pos + 1 :]))
             pre = md.get(_PREFIX + "pre") or "default"
-            if pre not in _PRE_TYPES:
+            if pre not in PRE_TYPES:
                 raise ModelError(
                     f"unknown or unsupported pre-tokenizer type {pre!r} (tokenizer.ggml.pre); "
-                    f"supported: {', '.join(sorted(_PRE_TYPES))}"
+                    f"supported: {', '.join(sorted(PRE_TYPES))}"
                 )
-            add_bos = _PRE_TYPES[pre][2]
+            add_bos = PRE_TYPES[pre][2]
             add_space_prefix = False
 
         def special_id(key: str, default: int | None) -> int | None:
@@ -383,7 +339,7 @@ class Tokenizer:
         from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        regexes, ignore_merges, _ = _PRE_TYPES[pre]
+        regexes, ignore_merges, _ = PRE_TYPES[pre]
         # HF's BPE refuses merges whose parts or result are not tokens; llama.cpp just
         # never applies them, so dropping them keeps the same results.
         # A repeated pair keeps its first rank (llama.cpp's bpe_ranks.emplace); HF would

@@ -14,29 +14,24 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-# (name, how to get the file): the built-in model (I2_S, F16 embedding tied as the head, squared ReLU,
-# sub-norms: 2B-4T's layout), a TQ2_0 file as llama.cpp converts (SiLU, a strided view of 66-byte blocks),
-# and one whose embedding is stored quantized (decoded to float32 at load: the F32 head and its int8 copy).
-_MODELS: tuple[tuple[str, dict[str, object] | None], ...] = (
+from bitnet.modelfile import default_model
+from bitnet.modelfile.writer import SyntheticSpec, write_model
+
+# The built-in model (I2_S, F16 embedding tied as the head, squared ReLU, sub-norms: 2B-4T's layout), a
+# TQ2_0 file as llama.cpp converts (SiLU, a strided view of 66-byte blocks), and one whose embedding is
+# stored quantized (decoded to float32 at load: the F32 head and its int8 copy). None: the built-in file.
+_MODELS: tuple[tuple[str, SyntheticSpec | None], ...] = (
     ("i2_s", None),
-    ("tq2_0", {"arch": "bitnet", "weight_type": "tq2_0"}),
-    ("q8_0 embedding", {"arch": "bitnet-b1.58", "weight_type": "i2_s", "embd_type": "q8_0"}),
+    ("tq2_0", SyntheticSpec(arch="bitnet", weight_type="tq2_0", n_layers=1)),
+    ("q8_0 embedding", SyntheticSpec(arch="bitnet-b1.58", weight_type="i2_s", embd_type="q8_0", n_layers=1)),
 )
 CASES = tuple((model, act_quant, lm_head) for model, _ in _MODELS for act_quant in ("row", "block256")
               for lm_head in ("f16", "q8"))
 
 
 def _files(root: Path) -> Iterator[tuple[str, str]]:
-    from bitnet.modelfile import default_model
-    from bitnet.modelfile.writer import SyntheticSpec, write_model
-
     for name, spec in _MODELS:
-        if spec is None:
-            yield name, default_model.path()
-        else:
-            path = root / f"{name.split()[0]}.gguf"
-            write_model(path, SyntheticSpec(n_layers=1, vocab_size=512, **spec))  # type: ignore[arg-type]
-            yield name, str(path)
+        yield name, default_model.path() if spec is None else str(write_model(root / f"{name.split()[0]}.gguf", spec))
 
 
 def warmup(device: str | None, report: Callable[[str, str, str, float], None]) -> float:

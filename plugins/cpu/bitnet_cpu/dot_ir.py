@@ -226,7 +226,8 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
     blk = _Block(builder, isa)
     n = blk.width
     v8 = _vec(_I8, n)
-    absb = _declare(b.module, f"llvm.abs.v{n}i8", v8, [v8, ir.IntType(1)])
+    if isa != "generic":
+        absb = _declare(b.module, f"llvm.abs.v{n}i8", v8, [v8, ir.IntType(1)])
     if isa == "avx2":
         psign = _declare(b.module, "llvm.x86.avx2.psign.b", v8, [v8, v8])
     w0 = b.inttoptr(w_i, _I8.as_pointer())
