@@ -46,8 +46,14 @@ class CorruptQ8Scale(ReferenceProvider):
         return super().lm_head_q8(x, Q8Table(table.q, scale))
 
 
+class GroupOffByOneUlp(ReferenceProvider):
+    def bitlinear_group(self, x, group, act_quant):  # a fused kernel that sums in another order
+        q, k, v = super().bitlinear_group(x, group, act_quant)
+        return q, np.nextafter(k, np.float32(np.inf)), v
+
+
 @pytest.mark.parametrize("broken, op", [(OffByOneRmsnorm, "rmsnorm"), (WrongRoundingBitlinear, "bitlinear"),
-                                        (CorruptQ8Scale, "lm_head_q8")])
+                                        (CorruptQ8Scale, "lm_head_q8"), (GroupOffByOneUlp, "projection k")])
 def test_kit_rejects_a_broken_kernel(broken, op):
     with pytest.raises(AssertionError, match=op):
         check_provider(broken())

@@ -19,7 +19,7 @@ from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
 from bitnet_cpu import dot_ir, isa
-from bitnet_cpu.provider import CpuProvider
+from bitnet_cpu.provider import CpuProvider, PackedTernary
 
 REF = ReferenceProvider()
 LEVELS = isa.host_levels()
@@ -184,6 +184,36 @@ def test_bitlinear_reads_weights_in_file_layouts(cpu: CpuProvider, mode: str, la
         got = cpu.bitlinear(x[rows], cpu.upload_ternary(strided), mode)
         assert_same(got, cpu.bitlinear(x[rows], cpu.upload_ternary(w), mode), mode)
         assert_same(got, REF.bitlinear(x[rows], w, mode), mode)
+
+
+@pytest.mark.parametrize("mode", ["row", "block256", "none"])
+@pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
+def test_a_group_runs_in_one_call_as_its_projections_would(cpu: CpuProvider, mode: str, layout: str) -> None:
+    # Q, K, V heights as in 2B-4T (4:1:1), from the file layouts; prefill rows cross the 64-row tasks'
+    # boundaries between projections (64 + 16 + 16 rows).
+    rng = np.random.default_rng(13)
+    ws = [file_layout(rng, ternary(rng, rows, 768, block_scales=layout == "tq2_0"), layout) for rows in (64, 16, 16)]
+    group = cpu.upload_ternary_group(ws)
+    assert isinstance(group, PackedTernary) and group.rows == 96
+    x = rng.standard_normal((5, 768)).astype(np.float32)
+    for rows in (slice(0, 1), slice(0, 5)):
+        calls = sum(cpu.dispatches.values())
+        got = cpu.bitlinear_group(x[rows], group, mode)
+        assert sum(cpu.dispatches.values()) == calls + 1
+        for w, y in zip(ws, got, strict=True):
+            np.testing.assert_array_equal(y, cpu.bitlinear(x[rows], cpu.upload_ternary(w), mode))
+
+
+def test_projections_that_cannot_share_a_call_run_one_by_one() -> None:
+    cpu, rng = CpuProvider(n_threads=1), np.random.default_rng(14)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    per_row, per_block = ternary(rng, 32, 512, block_scales=False), ternary(rng, 32, 512, block_scales=True)
+    for ws in ([per_row, per_block], [per_row, file_layout(rng, per_row, "i2_s")]):  # scale kinds, byte orders
+        group = cpu.upload_ternary_group(ws)
+        assert not isinstance(group, PackedTernary)
+        for w, y in zip(ws, cpu.bitlinear_group(x, group, "row"), strict=True):
+            np.testing.assert_array_equal(y, REF.bitlinear(x, w, "row"))
+    assert not isinstance(cpu.upload_ternary_group([per_row, ternary(rng, 32, 768, False)]), PackedTernary)
 
 
 @pytest.mark.parametrize("mode", ["row", "none"])

@@ -17,7 +17,8 @@ on the host CPU through the NumPy reference (bitnet.runtime.fallback), and each 
 is counted in `fallbacks` with its reason (docs/design.md section 2). The memory methods
 default to host NumPy arrays, which is what a CPU backend wants; a device backend overrides
 all five (`upload_ternary`, `upload_float`, `kv_cache`, `to_host`, `from_host`), and `upload_q8`
-if it runs `lm_head_q8`.
+if it runs `lm_head_q8`. `upload_ternary_group` and `bitlinear_group` run projections that share an
+input (Q, K, V; gate, up) together; by default they are a loop over `upload_ternary` and `bitlinear`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ class KernelProvider(ABC):
     def upload_ternary(self, w: TernaryMatrix) -> Any:
         """Make a ternary projection resident; repack to the device's layout here, once."""
         return w
+
+    def upload_ternary_group(self, ws: list[TernaryMatrix]) -> Any:
+        """Make projections that read the same input resident as one group (Q, K, V; gate, up), for
+        `bitlinear_group`. Override both to run a group in one dispatch."""
+        return [self.upload_ternary(w) for w in ws]
 
     def upload_float(self, a: np.ndarray) -> Any:
         """Make a float tensor resident (norm weights F32; embedding / LM head F16 or F32)."""
@@ -128,6 +134,11 @@ class KernelProvider(ABC):
         (cols < 2**17), so float32 accumulation of them is exact. The oracle is
         bitnet.runtime.reference.ReferenceProvider.
         """
+
+    def bitlinear_group(self, x: Any, group: Any, act_quant: str) -> tuple[Any, ...]:
+        """bitlinear(x, w, act_quant) for each projection w of an uploaded group, in order: the same
+        results, to the bit, however a provider runs them (one quantization of x, one dispatch)."""
+        return tuple(self.bitlinear(x, w, act_quant) for w in group)
 
     def rope(self, x: Any, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Any:
         """NEOX rotary embedding (rotate halves) of [n, n_heads*head_dim]; row i is at positions[i]."""

@@ -21,14 +21,11 @@ class _Layer:
     """One layer's weights as provider handles (sub-norms are None when a model lacks them)."""
 
     attn_norm: Any
-    wq: Any
-    wk: Any
-    wv: Any
+    qkv: Any  # wq, wk, wv as one group (they read the same input)
     wo: Any
     attn_sub_norm: Any
     ffn_norm: Any
-    w_gate: Any
-    w_up: Any
+    gate_up: Any  # w_gate, w_up as one group
     w_down: Any
     ffn_sub_norm: Any
 
@@ -78,8 +75,13 @@ class Transformer:
                 return None
             return p.upload_ternary(a) if isinstance(a, TernaryMatrix) else place_weight(p, "rmsnorm", a)
 
-        names = [f.name for f in fields(_Layer)]
-        self.layers = [_Layer(**{k: upload(getattr(lw, k)) for k in names}) for lw in model.layers]
+        groups = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
+
+        def layer(lw: Any) -> _Layer:
+            return _Layer(**{f.name: p.upload_ternary_group([getattr(lw, k) for k in groups[f.name]])
+                             if f.name in groups else upload(getattr(lw, f.name)) for f in fields(_Layer)})
+
+        self.layers = [layer(lw) for lw in model.layers]
         self.cache = kv_cache_for(p, cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, n_seqs)
         self.n_seqs = n_seqs
         self.filled = np.zeros(n_seqs, np.int64)  # positions 0..filled[s]-1 of slot s hold valid K and V
@@ -128,15 +130,15 @@ class Transformer:
         x = p.embed(self.token_embd, ids)
         for i, L in enumerate(self.layers):
             h = p.rmsnorm(x, L.attn_norm, eps)
-            q = p.rope(p.bitlinear(h, L.wq, aq), cfg.n_heads, hd, positions, cfg.rope_theta)
-            k = p.rope(p.bitlinear(h, L.wk, aq), cfg.n_kv_heads, hd, positions, cfg.rope_theta)
-            v = p.bitlinear(h, L.wv, aq)
+            q, k, v = p.bitlinear_group(h, L.qkv, aq)
+            q = p.rope(q, cfg.n_heads, hd, positions, cfg.rope_theta)
+            k = p.rope(k, cfg.n_kv_heads, hd, positions, cfg.rope_theta)
             a = p.attention(q, k, v, self.cache, i, slots, positions, cfg.n_heads, cfg.n_kv_heads, hd)
             if L.attn_sub_norm is not None:
                 a = p.rmsnorm(a, L.attn_sub_norm, eps)
             x = p.add(x, p.bitlinear(a, L.wo, aq))
             m = p.rmsnorm(x, L.ffn_norm, eps)
-            f = p.act_mul(p.bitlinear(m, L.w_gate, aq), p.bitlinear(m, L.w_up, aq), cfg.activation)
+            f = p.act_mul(*p.bitlinear_group(m, L.gate_up, aq), cfg.activation)
             if L.ffn_sub_norm is not None:
                 f = p.rmsnorm(f, L.ffn_sub_norm, eps)
             x = p.add(x, p.bitlinear(f, L.w_down, aq))

@@ -131,9 +131,20 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
         got_arg, want_arg = provider.argmax(provider.lm_head(xg, head)), ref.argmax(ref.lm_head(x, table))
         assert list(got_arg) == list(want_arg), f"argmax: {list(got_arg)} != reference {list(want_arg)}"
         xq, w3 = _random_case(rng, n, 384, 512)
+        # Q/K/V-like groups of other heights: a scale per block, and a scale per row (as I2_S).
+        wa, wb = _random_case(rng, n, 64, 512)[1], _random_case(rng, n, 320, 512)[1]
+        ra, rb = (from_values(w.values(), np.repeat(w.scales[:, :1], 2, axis=1)) for w in (wa, wb))
+        xqg = provider.upload_float(xq)
         for mode in ("row", "block256", "none"):
-            same(f"bitlinear[{mode}]", provider.bitlinear(provider.upload_float(xq), provider.upload_ternary(w3), mode),
+            same(f"bitlinear[{mode}]", provider.bitlinear(xqg, provider.upload_ternary(w3), mode),
                  ref.bitlinear(xq, w3, mode))
+            for ws in ([w3, wa, wb], [ra, rb]):
+                got = provider.bitlinear_group(xqg, provider.upload_ternary_group(ws), mode)
+                assert len(got) == len(ws), f"bitlinear_group[{mode}]: {len(got)} results for a group of {len(ws)}"
+                for name, w, g in zip("qkv", ws, got, strict=False):
+                    alone = provider.bitlinear(xqg, provider.upload_ternary(w), mode)
+                    assert np.array_equal(provider.to_host(g), provider.to_host(alone)), \
+                        f"bitlinear_group[{mode}]: projection {name} differs from its bitlinear"
     # Attention over three sequence slots: slot 1 prefills 5 positions, then a batch decodes slot 1 beside a
     # 3-token prefill of slot 2 and a first token of slot 0, then a batch decodes all three.
     caches = (kv_cache_for(provider, 2, 16, kv_heads, head_dim, 3), ref.kv_cache(2, 16, kv_heads, head_dim, 3))

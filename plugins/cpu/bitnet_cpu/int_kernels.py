@@ -7,6 +7,9 @@ directory of that level's own is in use) before running it; it is not imported b
 
 Weights are read as blocks, uint8 [rows, n_blocks, 64] with any row and block stride, so
 TQ2_0 runs straight from the memory-mapped file (66-byte blocks: the codes, then the scale).
+A call's rows may come from several such arrays stacked (Q, K and V; gate and up), described by a
+`parts` table, int64 [n_parts, 3]: (address of row 0, first output row, row stride in bytes). One call
+then quantizes its input once and runs one parallel region for them all.
 I2_S (each byte's fields reversed) runs from the file too: its activations are quantized into
 the mirrored byte order (`rev`), so the same dot products apply.
 The numba drivers parallelize over chunks of weight rows (`prange`); in prefill each chunk
@@ -145,12 +148,20 @@ def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray, 
 
 # -- BitLinear drivers ----------------------------------------------------------------------------
 
+@njit(inline="always", cache=CACHE)
+def _row_address(parts: np.ndarray, r: int) -> int:
+    """Address of stacked row r's codes (see the module docstring)."""
+    g = parts.shape[0] - 1
+    while parts[g, 1] > r:
+        g -= 1
+    return parts[g, 0] + (r - parts[g, 1]) * parts[g, 2]
+
+
 @njit(parallel=True, inline="always", cache=CACHE)
-def matmul_rowscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, s: np.ndarray, row_scale: np.ndarray,
-                    out: np.ndarray) -> None:
+def matmul_rowscale(parts: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, s: np.ndarray,
+                    row_scale: np.ndarray, out: np.ndarray) -> None:
     """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row."""
-    rows, nb, n = codes.shape[0], codes.shape[1], q.shape[0]
-    wstride, bstride, qstride = codes.strides[0], codes.strides[1], q.strides[0]
+    rows, n, qstride = out.shape[1], q.shape[0], q.strides[0]
     qtot = np.empty(n, np.int64)
     for t in range(n):
         qtot[t] = 0
@@ -163,7 +174,7 @@ def matmul_rowscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, s: np.nd
             nt = min(TILE, n - t0)
             qaddr = q.ctypes.data + t0 * qstride
             for r in range(r0, r1):
-                waddr = codes.ctypes.data + r * wstride
+                waddr = _row_address(parts, r)
                 if nt == 1:
                     _dot_row_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
                 else:
@@ -175,15 +186,14 @@ def matmul_rowscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, s: np.nd
 
 
 @njit(parallel=True, inline="always", cache=CACHE)
-def matmul_blockscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, scales: np.ndarray,
+def matmul_blockscale(parts: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, scales: np.ndarray,
                       act_scale: np.ndarray, per_block_act: bool, out: np.ndarray) -> None:
     """Per-block weight scales and/or per-block activation scales.
 
     per_block_act (Q8_K, "block256"): out[t, r] = sum_b isum * scales[r, b] * act_scale[t, b];
     else ("row" with block scales): out[t, r] = sum_b (isum * scales[r, b]) / act_scale[t, 0].
     """
-    rows, nb, n = codes.shape[0], codes.shape[1], q.shape[0]
-    wstride, bstride, qstride = codes.strides[0], codes.strides[1], q.strides[0]
+    rows, n, qstride = out.shape[1], q.shape[0], q.strides[0]
     for task in prange((rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         isum = np.empty(TILE * nb, np.int32)
         r0, r1 = task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)
@@ -191,7 +201,7 @@ def matmul_blockscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, scales
             nt = min(TILE, n - t0)
             qaddr = q.ctypes.data + t0 * qstride
             for r in range(r0, r1):
-                waddr = codes.ctypes.data + r * wstride
+                waddr = _row_address(parts, r)
                 if nt == 1:
                     _dot_blocks_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
                 else:
@@ -210,41 +220,44 @@ def matmul_blockscale(codes: np.ndarray, q: np.ndarray, qsum: np.ndarray, scales
 
 
 # -- BitLinear entry points: quantize and multiply in one call from Python --------------------------
-# (Decode makes 210 of these calls per token: each Python-side allocation or dispatch saved counts.)
+# (Decode makes 120 of these calls per token: each Python-side allocation or dispatch saved counts.)
+# parts, bstride: the stacked code arrays and their block stride (see the module docstring).
 
 @njit(parallel=True, cache=CACHE)
-def bitlinear_row_rowscale(x: np.ndarray, codes: np.ndarray, row_scale: np.ndarray, rev: bool) -> np.ndarray:
+def bitlinear_row_rowscale(x: np.ndarray, parts: np.ndarray, bstride: int, row_scale: np.ndarray,
+                           rev: bool) -> np.ndarray:
     """"row" quantization, one weight scale per row: y [n, rows]."""
     n, cols = x.shape
     q, s = np.empty((n, cols), np.int8), np.empty(n, np.float32)
     qsum = np.empty((n, cols // BLOCK), np.int32)
     quantize_rows(x, q, s, qsum, rev)
-    out = np.empty((n, codes.shape[0]), np.float32)
-    matmul_rowscale(codes, q, qsum, s, row_scale, out)
+    out = np.empty((n, row_scale.shape[0]), np.float32)
+    matmul_rowscale(parts, cols // BLOCK, bstride, q, qsum, s, row_scale, out)
     return out
 
 
 @njit(parallel=True, cache=CACHE)
-def bitlinear_row_blockscale(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, rev: bool) -> np.ndarray:
+def bitlinear_row_blockscale(x: np.ndarray, parts: np.ndarray, bstride: int, scales: np.ndarray,
+                             rev: bool) -> np.ndarray:
     """"row" quantization, a weight scale per 256-block: y [n, rows]."""
     n, cols = x.shape
     q, s = np.empty((n, cols), np.int8), np.empty((n, 1), np.float32)
     qsum = np.empty((n, cols // BLOCK), np.int32)
     quantize_rows(x, q, s[:, 0], qsum, rev)
-    out = np.empty((n, codes.shape[0]), np.float32)
-    matmul_blockscale(codes, q, qsum, scales, s, False, out)
+    out = np.empty((n, scales.shape[0]), np.float32)
+    matmul_blockscale(parts, cols // BLOCK, bstride, q, qsum, scales, s, False, out)
     return out
 
 
 @njit(parallel=True, cache=CACHE)
-def bitlinear_block256(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, rev: bool) -> np.ndarray:
+def bitlinear_block256(x: np.ndarray, parts: np.ndarray, bstride: int, scales: np.ndarray, rev: bool) -> np.ndarray:
     """"block256" (Q8_K) quantization: y [n, rows]."""
     n, cols = x.shape
     q, d = np.empty((n, cols), np.int8), np.empty((n, cols // BLOCK), np.float32)
     qsum = np.empty((n, cols // BLOCK), np.int32)
     quantize_q8k(x, q, d, qsum, rev)
-    out = np.empty((n, codes.shape[0]), np.float32)
-    matmul_blockscale(codes, q, qsum, scales, d, True, out)
+    out = np.empty((n, scales.shape[0]), np.float32)
+    matmul_blockscale(parts, cols // BLOCK, bstride, q, qsum, scales, d, True, out)
     return out
 
 

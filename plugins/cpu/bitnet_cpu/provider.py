@@ -43,22 +43,43 @@ _Q8_BUILD_ROWS = 8192
 _LM_HEAD_ROWS = 512
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedTernary:
-    """A resident ternary projection: the canonical codes plus what the fast paths need."""
+    """Resident ternary projections stacked by rows: one, or several that read the same input (Q, K, V;
+    gate, up), which then run as one call. The codes stay where they are (TQ2_0 and I2_S in the mapped file)."""
 
-    blocks: np.ndarray  # uint8 [rows, cols // 256, 64], possibly a strided view into the model file
-    scales: np.ndarray  # float32 [rows, cols // 256]
+    blocks: tuple[np.ndarray, ...]  # per projection uint8 [rows, cols // 256, 64], possibly strided views
+    scales: np.ndarray  # float32 [rows, cols // 256], all projections' rows
     row_scales: np.ndarray | None  # float32 [rows] when every block of a row shares its scale
     fields_reversed: bool  # I2_S byte order (see bitnet.modelfile.ternary)
+    parts: np.ndarray  # int64 [projections, 3]: the kernels' view of `blocks` (see int_kernels)
+    bstride: int  # bytes from one block of a row to the next, the same in every projection
+
+    @classmethod
+    def stack(cls, ws: list[TernaryMatrix]) -> PackedTernary | None:
+        """The projections stacked, or None when they cannot share a call: widths, byte orders or block
+        strides differ, or some have a scale per row and some not (the float path rounds those differently)."""
+        blocks, row_scales = [w.blocks() for w in ws], [w.row_scales for w in ws]
+        if len({(w.cols, w.fields_reversed, b.strides[1], r is None) for w, b, r in zip(ws, blocks, row_scales,
+                                                                                       strict=True)}) != 1:
+            return None
+        first = np.cumsum([0] + [w.rows for w in ws[:-1]])
+        parts = np.array([(b.ctypes.data, r0, b.strides[0]) for b, r0 in zip(blocks, first, strict=True)], np.int64)
+        return cls(tuple(blocks), np.concatenate([np.asarray(w.scales, np.float32) for w in ws]),
+                   None if row_scales[0] is None else np.concatenate(row_scales).astype(np.float32),
+                   ws[0].fields_reversed, parts, int(blocks[0].strides[1]))
 
     @property
     def rows(self) -> int:
-        return int(self.blocks.shape[0])
+        return int(self.scales.shape[0])
 
     @property
     def cols(self) -> int:
-        return int(self.blocks.shape[1]) * BLOCK
+        return int(self.scales.shape[1]) * BLOCK
+
+    def split(self, y: np.ndarray) -> tuple[np.ndarray, ...]:
+        """y [n, rows] as each projection's own columns."""
+        return tuple(np.hsplit(y, self.parts[1:, 1]))
 
 
 def unpack_rows(codes: np.ndarray) -> np.ndarray:
@@ -116,8 +137,15 @@ class CpuProvider(ReferenceProvider):
             numba.set_num_threads(self.n_threads)
 
     def upload_ternary(self, w: TernaryMatrix) -> Any:
-        return PackedTernary(w.blocks(), np.ascontiguousarray(w.scales, dtype=np.float32), w.row_scales,
-                             w.fields_reversed)
+        return PackedTernary.stack([w])
+
+    def upload_ternary_group(self, ws: list[TernaryMatrix]) -> Any:
+        return PackedTernary.stack(ws) or super().upload_ternary_group(ws)
+
+    def bitlinear_group(self, x: Any, group: Any, act_quant: str) -> tuple[Any, ...]:
+        if isinstance(group, PackedTernary):
+            return group.split(self.bitlinear(x, group, act_quant))
+        return super().bitlinear_group(x, group, act_quant)
 
     def bitlinear(self, x: Any, w: Any, act_quant: str) -> Any:
         check_act_quant(act_quant)
@@ -127,12 +155,12 @@ class CpuProvider(ReferenceProvider):
         x = zero_extend(np.ascontiguousarray(x, dtype=np.float32), w.cols)  # widths not whole blocks
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
-            return self._tk.bitlinear_block256(x, w.blocks, w.scales, w.fields_reversed)
+            return self._tk.bitlinear_block256(x, w.parts, w.bstride, w.scales, w.fields_reversed)
         if w.row_scales is not None:
             self.record("cpu.bitlinear_rowscale_row")
-            return self._tk.bitlinear_row_rowscale(x, w.blocks, w.row_scales, w.fields_reversed)
+            return self._tk.bitlinear_row_rowscale(x, w.parts, w.bstride, w.row_scales, w.fields_reversed)
         self.record("cpu.bitlinear_blockscale_row")
-        return self._tk.bitlinear_row_blockscale(x, w.blocks, w.scales, w.fields_reversed)
+        return self._tk.bitlinear_row_blockscale(x, w.parts, w.bstride, w.scales, w.fields_reversed)
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
         """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time.
@@ -148,13 +176,14 @@ class CpuProvider(ReferenceProvider):
         self.record(f"cpu.bitlinear_{'rowscale' if rowwise else 'blockscale'}_none")
         y = np.empty((x.shape[0], w.rows), dtype=np.float32)
         step = max(1, _CHUNK_BYTES // (4 * w.cols))
-        for lo in range(0, w.rows, step):
-            hi = min(lo + step, w.rows)
-            t = unpack_rows(np.ascontiguousarray(w.blocks[lo:hi]).reshape(hi - lo, -1))
-            if not rowwise:  # -1/0/+1 times its block's scale: exact
-                t = (t.reshape(hi - lo, -1, BLOCK) * w.scales[lo:hi, :, None]).reshape(hi - lo, -1)
-            for i in range(x.shape[0]):
-                y[i, lo:hi] = t @ a[i]
+        for blocks, r0 in zip(w.blocks, w.parts[:, 1], strict=True):
+            for lo in range(0, len(blocks), step):
+                hi = min(lo + step, len(blocks))
+                t = unpack_rows(np.ascontiguousarray(blocks[lo:hi]).reshape(hi - lo, -1))
+                if not rowwise:  # -1/0/+1 times its block's scale: exact
+                    t = (t.reshape(hi - lo, -1, BLOCK) * w.scales[r0 + lo:r0 + hi, :, None]).reshape(hi - lo, -1)
+                for i in range(x.shape[0]):
+                    y[i, r0 + lo:r0 + hi] = t @ a[i]
         if rowwise:
             y *= w.row_scales
         return y
