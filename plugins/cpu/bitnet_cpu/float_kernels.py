@@ -200,18 +200,24 @@ def rope(x: np.ndarray, n_heads: int, head_dim: int, positions: np.ndarray, thet
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-              n_heads: int, out: np.ndarray) -> None:
-    """Causal grouped-query attention of q [n, n_heads*hd] over keys/values [n_seqs, n_ctx, n_kv, hd].
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
+              positions: np.ndarray, n_heads: int, out: np.ndarray) -> None:
+    """Store row t's k, v [n, n_kv*hd] at positions[t] of slot slots[t] of the cache keys/values
+    [n_seqs, n_kv, n_ctx, hd]; then causal grouped-query attention of q [n, n_heads*hd] over it.
 
     Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
     h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. Each (head,
     row) is one task computed alone, so a row's result never depends on the rows beside it.
     """
     n = q.shape[0]
-    n_kv, hd = keys.shape[2], keys.shape[3]
+    n_kv, hd = keys.shape[1], keys.shape[3]
     group = n_heads // n_kv
     scale = np.float32(1.0 / np.sqrt(hd))
+    for t in range(n):
+        for h in range(n_kv):
+            for d in range(hd):
+                keys[slots[t], h, positions[t], d] = k[t, h * hd + d]
+                values[slots[t], h, positions[t], d] = v[t, h * hd + d]
     for task in prange(n_heads * n):
         h, t = task // n, task % n
         kv, slot, total = h // group, slots[t], positions[t] + 1
@@ -221,7 +227,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.nda
         scores = np.empty(total, np.float32)
         top = np.float32(-np.inf)
         for p in range(total):
-            krow = keys[slot, p, kv]
+            krow = keys[slot, kv, p]
             acc = np.float32(0.0)
             for d in range(hd):
                 acc += qh[d] * krow[d]
@@ -237,7 +243,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.nda
             o[d] = 0.0
         for p in range(total):
             w = scores[p]
-            vrow = values[slot, p, kv]
+            vrow = values[slot, kv, p]
             for d in range(hd):
                 o[d] += w * vrow[d]
         inv = np.float32(1.0 / den)

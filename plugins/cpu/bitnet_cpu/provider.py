@@ -23,7 +23,7 @@ from bitnet.errors import UsageError
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime.provider import ACTIVATIONS
-from bitnet.runtime.reference import Q8Table, ReferenceProvider, check_act_quant, quantize_rows, store_kv
+from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots, quantize_rows
 
 from . import float_kernels as fk
 from . import isa as isa_levels
@@ -99,6 +99,12 @@ def permute_cols(x: np.ndarray, fields_reversed: bool = False) -> np.ndarray:
     if fields_reversed:  # I2_S: the low bits of a byte hold the last of its four values
         fields = fields[:, :, ::-1]
     return np.ascontiguousarray(fields.transpose(0, 1, 3, 2)).reshape(n, cols)
+
+
+def _head_major(kv: np.ndarray) -> np.ndarray:
+    """A layer of the cache [n_seqs, n_ctx, n_kv_heads, head_dim] as its memory holds it, [n_seqs, n_kv_heads, n_ctx,
+    head_dim], C-contiguous (so numba vectorizes along head_dim)."""
+    return kv.transpose(0, 2, 1, 3)
 
 
 def _bounded_openmp_spinning() -> None:
@@ -234,12 +240,17 @@ class CpuProvider(ReferenceProvider):
                   n_heads: int, n_kv_heads: int, head_dim: int) -> Any:
         self.record("cpu.attention")
         self._use_threads()
-        store_kv(cache, layer, slots, positions, k, v, n_kv_heads, head_dim)
-        q = np.ascontiguousarray(q, dtype=np.float32)
+        slots, positions = np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(positions, np.int32)
+        check_slots(cache, slots, positions, len(q))
+        q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
         out = np.empty_like(q)
-        fk.attention(q, cache.k[layer], cache.v[layer], np.ascontiguousarray(slots, np.int32),
-                     np.ascontiguousarray(positions, np.int32), n_heads, out)
+        fk.attention(q, k, v, _head_major(cache.k[layer]), _head_major(cache.v[layer]), slots, positions, n_heads, out)
         return out
+
+    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> Any:
+        """The reference's cache, each KV head's positions contiguous in memory: attention streams them."""
+        shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
+        return KVCache(*(np.zeros(shape, np.float32).transpose(0, 1, 3, 2, 4) for _ in "kv"))
 
     def act_mul(self, gate: Any, up: Any, act: str) -> Any:
         if act not in ACTIVATIONS:
