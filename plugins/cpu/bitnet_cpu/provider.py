@@ -37,6 +37,8 @@ _LUT16 = _LUT.view(np.complex128).reshape(256)
 
 # Rows unpacked per chunk: about an L2 cache of float32 (measured best of 128 KB..4 MB at n = 1 and 128).
 _CHUNK_BYTES = 512 << 10
+# Ternary weight rows per parallel task: 40 KB of codes at 2560 columns, a share of L2.
+_ROWS_PER_TASK = 64
 # Rows of the int8 LM head built at a time (40 MB of F16 at dim 2560), each part's file pages released after.
 _Q8_BUILD_ROWS = 8192
 # LM-head rows per parallel task: 2.5 MB of F16 at dim 2560, many tasks for few threads.
@@ -52,7 +54,8 @@ class PackedTernary:
     scales: np.ndarray  # float32 [rows, cols // 256], all projections' rows
     row_scales: np.ndarray | None  # float32 [rows] when every block of a row shares its scale
     fields_reversed: bool  # I2_S byte order (see bitnet.modelfile.ternary)
-    parts: np.ndarray  # int64 [projections, 3]: the kernels' view of `blocks` (see int_kernels)
+    starts: tuple[int, ...]  # each projection's first row
+    tasks: np.ndarray  # int64 [tasks, 6]: the kernels' parallel tasks over `blocks` (see int_kernels)
     bstride: int  # bytes from one block of a row to the next, the same in every projection
 
     @classmethod
@@ -63,11 +66,13 @@ class PackedTernary:
         if len({(w.cols, w.fields_reversed, b.strides[1], r is None) for w, b, r in zip(ws, blocks, row_scales,
                                                                                        strict=True)}) != 1:
             return None
-        first = np.cumsum([0] + [w.rows for w in ws[:-1]])
-        parts = np.array([(b.ctypes.data, r0, b.strides[0]) for b, r0 in zip(blocks, first, strict=True)], np.int64)
+        starts = tuple(int(r) for r in np.cumsum([0] + [w.rows for w in ws[:-1]]))
+        tasks = np.array([(b.ctypes.data + lo * b.strides[0], b.strides[0], lo, min(_ROWS_PER_TASK, len(b) - lo), r0,
+                           len(b)) for b, r0 in zip(blocks, starts, strict=True)
+                          for lo in range(0, len(b), _ROWS_PER_TASK)], np.int64).reshape(-1, 6)
         return cls(tuple(blocks), np.concatenate([np.asarray(w.scales, np.float32) for w in ws]),
                    None if row_scales[0] is None else np.concatenate(row_scales).astype(np.float32),
-                   ws[0].fields_reversed, parts, int(blocks[0].strides[1]))
+                   ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
 
     @property
     def rows(self) -> int:
@@ -77,9 +82,10 @@ class PackedTernary:
     def cols(self) -> int:
         return int(self.scales.shape[1]) * BLOCK
 
-    def split(self, y: np.ndarray) -> tuple[np.ndarray, ...]:
-        """y [n, rows] as each projection's own columns."""
-        return tuple(np.hsplit(y, self.parts[1:, 1]))
+    def split(self, y: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+        """The kernels' flat result (each projection's [n, its rows] in turn) as one array per projection."""
+        ends = (*self.starts[1:], self.rows)
+        return tuple(y[n * lo:n * hi].reshape(n, hi - lo) for lo, hi in zip(self.starts, ends, strict=True))
 
 
 def unpack_rows(codes: np.ndarray) -> np.ndarray:
@@ -110,7 +116,7 @@ def _head_major(kv: np.ndarray) -> np.ndarray:
 def _bounded_openmp_spinning() -> None:
     """Let numba's OpenMP workers spin ~0.5 ms between parallel regions, then sleep (unless the user chose).
 
-    A decode step runs ~240 short parallel regions, a few tens of microseconds apart. Sleeping
+    A 2B-4T decode step runs ~150 short parallel regions, a few tens of microseconds apart. Sleeping
     at once (OMP_WAIT_POLICY=passive) pays a wake-up per region: 2-thread decode lost 12 % on a
     quiet machine. libgomp's default (spinning ~15 ms) stalls every region on a descheduled
     spinner when the machine is shared: 0.5-1.6 tokens/s under a load of 7 on 2 cores, where
@@ -150,23 +156,29 @@ class CpuProvider(ReferenceProvider):
 
     def bitlinear_group(self, x: Any, group: Any, act_quant: str) -> tuple[Any, ...]:
         if isinstance(group, PackedTernary):
-            return group.split(self.bitlinear(x, group, act_quant))
+            return self._stacked(x, group, act_quant)
         return super().bitlinear_group(x, group, act_quant)
 
     def bitlinear(self, x: Any, w: Any, act_quant: str) -> Any:
+        return self._stacked(x, w, act_quant)[0]
+
+    def _stacked(self, x: Any, w: PackedTernary, act_quant: str) -> tuple[np.ndarray, ...]:
+        """Each stacked projection's result, contiguous."""
         check_act_quant(act_quant)
         if act_quant == "none":
-            return self._bitlinear_float(x, w)
+            return tuple(np.ascontiguousarray(y) for y in np.hsplit(self._bitlinear_float(x, w), w.starts[1:]))
         self._use_threads()
         x = zero_extend(np.ascontiguousarray(x, dtype=np.float32), w.cols)  # widths not whole blocks
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
-            return self._tk.bitlinear_block256(x, w.parts, w.bstride, w.scales, w.fields_reversed)
-        if w.row_scales is not None:
+            y = self._tk.bitlinear_block256(x, w.tasks, w.bstride, w.scales, w.fields_reversed)
+        elif w.row_scales is not None:
             self.record("cpu.bitlinear_rowscale_row")
-            return self._tk.bitlinear_row_rowscale(x, w.parts, w.bstride, w.row_scales, w.fields_reversed)
-        self.record("cpu.bitlinear_blockscale_row")
-        return self._tk.bitlinear_row_blockscale(x, w.parts, w.bstride, w.scales, w.fields_reversed)
+            y = self._tk.bitlinear_row_rowscale(x, w.tasks, w.bstride, w.row_scales, w.fields_reversed)
+        else:
+            self.record("cpu.bitlinear_blockscale_row")
+            y = self._tk.bitlinear_row_blockscale(x, w.tasks, w.bstride, w.scales, w.fields_reversed)
+        return w.split(y, len(x))
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
         """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time.
@@ -182,7 +194,7 @@ class CpuProvider(ReferenceProvider):
         self.record(f"cpu.bitlinear_{'rowscale' if rowwise else 'blockscale'}_none")
         y = np.empty((x.shape[0], w.rows), dtype=np.float32)
         step = max(1, _CHUNK_BYTES // (4 * w.cols))
-        for blocks, r0 in zip(w.blocks, w.parts[:, 1], strict=True):
+        for blocks, r0 in zip(w.blocks, w.starts, strict=True):
             for lo in range(0, len(blocks), step):
                 hi = min(lo + step, len(blocks))
                 t = unpack_rows(np.ascontiguousarray(blocks[lo:hi]).reshape(hi - lo, -1))
