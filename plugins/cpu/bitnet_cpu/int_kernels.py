@@ -8,13 +8,12 @@ directory of that level's own is in use) before running it; it is not imported b
 Weights are read as blocks, uint8 [rows, n_blocks, 64] with any row and block stride, so
 TQ2_0 runs straight from the memory-mapped file (66-byte blocks: the codes, then the scale).
 A call's rows may come from several such arrays stacked (Q, K and V; gate and up). The caller splits
-them into parallel tasks, a `tasks` table int64 [n_tasks, 6]: (address of the task's first row, row
-stride in bytes, its first row in its array, its row count, its array's first row in the stack and
-its array's rows), no
-task crossing from one array into the next (finding a row's array inside the row loop cost prefill
-25 %). One call then quantizes its input once and runs one parallel region for them all, and writes
-each array's result [n, its rows] contiguous, one after the other, in a flat output (views of a
-[n, all rows] result had cost 0.2 s of copies per 128-token prefill).
+them into parallel tasks, a `tasks` table int64 [n_tasks, 6]: (address of its array's row 0, row
+stride in bytes, the task's rows r0..r1 of that array, the array's first row in the stack and its
+height); no task crosses from one array into the next (finding a row's array inside the row loop
+cost prefill 25 %). One call quantizes its input once and runs one parallel region for them all,
+writing each array's result [n, height] contiguous, one after the other, into a flat output (views
+of one [n, all rows] result had cost 0.2 s of copies per 128-token prefill).
 I2_S (each byte's fields reversed) runs from the file too: its activations are quantized into
 the mirrored byte order (`rev`), so the same dot products apply.
 The numba drivers parallelize over chunks of weight rows (`prange`); in prefill each chunk
@@ -154,7 +153,8 @@ def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray, 
 @njit(parallel=True, inline="always", cache=CACHE)
 def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, s: np.ndarray,
                     row_scale: np.ndarray, out: np.ndarray) -> None:
-    """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row."""
+    """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row
+    (out flat, each array's [n, height] in turn; r a row of the stack)."""
     n, qstride = q.shape[0], q.strides[0]
     qtot = np.empty(n, np.int64)
     for t in range(n):
@@ -163,13 +163,13 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
             qtot[t] += qsum[t, b]
     for task in prange(tasks.shape[0]):
         isum = np.empty(TILE, np.int32)
-        w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 2] + tasks[task, 3]
+        w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
         first, height = tasks[task, 4], tasks[task, 5]
         for t0 in range(0, n, TILE):
             nt = min(TILE, n - t0)
             qaddr = q.ctypes.data + t0 * qstride
             for r in range(r0, r1):
-                waddr = w0 + (r - r0) * wstride
+                waddr = w0 + r * wstride
                 if nt == 1:
                     _dot_row_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
                 else:
@@ -191,13 +191,13 @@ def matmul_blockscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, q
     n, qstride = q.shape[0], q.strides[0]
     for task in prange(tasks.shape[0]):
         isum = np.empty(TILE * nb, np.int32)
-        w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 2] + tasks[task, 3]
+        w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
         first, height = tasks[task, 4], tasks[task, 5]
         for t0 in range(0, n, TILE):
             nt = min(TILE, n - t0)
             qaddr = q.ctypes.data + t0 * qstride
             for r in range(r0, r1):
-                waddr = w0 + (r - r0) * wstride
+                waddr = w0 + r * wstride
                 if nt == 1:
                     _dot_blocks_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
                 else:

@@ -67,9 +67,9 @@ class PackedTernary:
                                                                                        strict=True)}) != 1:
             return None
         starts = tuple(int(r) for r in np.cumsum([0] + [w.rows for w in ws[:-1]]))
-        tasks = np.array([(b.ctypes.data + lo * b.strides[0], b.strides[0], lo, min(_ROWS_PER_TASK, len(b) - lo), r0,
-                           len(b)) for b, r0 in zip(blocks, starts, strict=True)
-                          for lo in range(0, len(b), _ROWS_PER_TASK)], np.int64).reshape(-1, 6)
+        tasks = np.array([(b.ctypes.data, b.strides[0], lo, min(lo + _ROWS_PER_TASK, len(b)), r0, len(b))
+                          for b, r0 in zip(blocks, starts, strict=True) for lo in range(0, len(b), _ROWS_PER_TASK)],
+                         np.int64).reshape(-1, 6)
         return cls(tuple(blocks), np.concatenate([np.asarray(w.scales, np.float32) for w in ws]),
                    None if row_scales[0] is None else np.concatenate(row_scales).astype(np.float32),
                    ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
