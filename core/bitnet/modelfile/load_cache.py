@@ -27,9 +27,10 @@ import hashlib
 import marshal
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MIN_FILE_BYTES = 64 << 20
 MAX_ENTRIES = 32
@@ -103,17 +104,7 @@ def store(path: str, ident: Identity | None, data: Any, header_end: int, metadat
     try:
         body = marshal.dumps((_stamp(), os.path.abspath(path), ident, header_end, header_hash(data, header_end),
                               metadata, tensors))
-        target = _entry_file(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + _digest(body) + body)
-            os.replace(tmp, target)  # readers see the old entry or the new one, never a partial one
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _prune(target.parent)
+        write_entry(_entry_file(path), lambda f: f.write(_MAGIC + _digest(body) + body), MAX_ENTRIES)
     except (OSError, ValueError):  # unwritable cache, or metadata marshal cannot hold
         pass
 
@@ -127,9 +118,21 @@ def _digest(body: bytes) -> bytes:
     return hashlib.sha256(body).digest()
 
 
-def _prune(where: Path) -> None:
-    entries = sorted(where.glob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
-    for old in entries[:max(0, len(entries) - MAX_ENTRIES)]:
+def write_entry(target: Path, fill: Callable[[BinaryIO], object], keep: int) -> None:
+    """Write a cache entry (fill writes its bytes) through a temporary file renamed into place, so that
+    readers see the old entry or the new one, never part of one; then keep the `keep` newest entries
+    of its directory. Raises OSError."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    entries = sorted(target.parent.glob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
+    for old in entries[:max(0, len(entries) - keep)]:
         old.unlink(missing_ok=True)
 
 

@@ -408,7 +408,7 @@ def _check_rope_freqs(t: ReaderTensor | None, cfg: ModelConfig) -> None:
                          "(Llama 3.1-style RoPE scaling), which this engine does not implement")
 
 
-def _mapped_span(a: np.ndarray) -> tuple[np.memmap, int, int] | None:
+def mapped_span(a: np.ndarray) -> tuple[np.memmap, int, int] | None:
     """The memory-mapped file array `a` is a view of, and the byte range of the file it spans."""
     base = a
     while isinstance(base, np.ndarray) and isinstance(base.base, np.ndarray):
@@ -427,7 +427,7 @@ def release_pages(a: np.ndarray) -> None:
     LM head copied to int8), so that it does not count twice toward the peak RSS. The data stays in
     the page cache and re-faults if read again. Anything else (an array in memory) is left alone.
     """
-    span = _mapped_span(a) if a.size else None
+    span = mapped_span(a) if a.size else None
     mapping = getattr(span[0], "_mmap", None) if span else None
     if mapping is None or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
@@ -452,7 +452,7 @@ def map_pages(model: Model) -> threading.Thread:
     arrays = [model.token_embd, model.output,
               *(getattr(layer, field).codes for layer in model.layers for field, _ in _PROJECTIONS)]
     for a in arrays:
-        span = _mapped_span(a) if isinstance(a, np.ndarray) else None
+        span = mapped_span(a) if isinstance(a, np.ndarray) else None
         if span is not None:
             spans.setdefault(id(span[0]), (span[0], []))[1].append(span[1:])
     regions = []

@@ -79,10 +79,12 @@ class KernelProvider(ABC):
 
     def upload_q8(self, table: np.ndarray) -> Any:
         """Build the int8 copy of a float [vocab, dim] LM-head table (docs/design.md section 4) and make
-        it resident: what lm_head_q8 reads. The table must equal the reference's, q8_table(table)."""
+        it resident: what lm_head_q8 reads. The table must equal the reference's, q8_table(table).
+        On the host, q8_cache keeps it for the next load of the same file."""
+        from bitnet.runtime import q8_cache
         from bitnet.runtime.reference import q8_table
 
-        return q8_table(table)
+        return q8_cache.table(np.asarray(table), q8_table)
 
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> Any:
         """Allocate the K and V cache of every layer for n_seqs sequence slots of n_ctx positions each

@@ -22,6 +22,7 @@ import numpy as np
 from bitnet.errors import UsageError
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
+from bitnet.runtime import q8_cache
 from bitnet.runtime.provider import ACTIVATIONS
 from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots, quantize_rows
 
@@ -221,8 +222,10 @@ class CpuProvider(ReferenceProvider):
         return out
 
     def upload_q8(self, table: np.ndarray) -> Q8Table:
+        return q8_cache.table(np.asarray(table), self._build_q8)
+
+    def _build_q8(self, table: np.ndarray) -> Q8Table:
         self._use_threads()
-        table = np.asarray(table)
         q, scale = np.empty(table.shape, np.int8), np.empty(table.shape[0], np.float32)
         for lo in range(0, table.shape[0], _Q8_BUILD_ROWS):
             part, hi = table[lo:lo + _Q8_BUILD_ROWS], lo + _Q8_BUILD_ROWS
