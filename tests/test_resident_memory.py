@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import bitnet
+from bitnet.modelfile import load_cache
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.writer import SyntheticSpec, write_model
 
@@ -51,12 +52,18 @@ def _model(tmp_path: Path) -> Path:
     return write_model(tmp_path / "m.gguf", spec)
 
 
-def test_the_int8_head_keeps_no_float_table_resident(tmp_path: Path) -> None:
+def test_the_int8_head_keeps_no_float_table_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _model(tmp_path)
     table = 16000 * 512 * 2
     with bitnet.load(str(path), device="cpu", n_ctx=32, lm_head="f16") as eng:
         "".join(eng.generate("Hello", max_tokens=2))
         assert resident(path) >= table  # the F16 head streams the whole table every step
-    with bitnet.load(str(path), device="cpu", n_ctx=32, lm_head="q8") as eng:
-        "".join(eng.generate("Hello", max_tokens=2))
-        assert resident(path) < table / 4  # projections, norms and the embedding rows looked up
+    # Built (and stored in the int8 head cache), then mapped from it (load_cache.MIN_FILE_BYTES keeps
+    # small files out of the caches otherwise).
+    monkeypatch.setenv("BITNET_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(load_cache, "MIN_FILE_BYTES", 0)
+    for how in ("built", "from the cache"):
+        with bitnet.load(str(path), device="cpu", n_ctx=32, lm_head="q8") as eng:
+            "".join(eng.generate("Hello", max_tokens=2))
+            assert resident(path) < table / 4, how  # projections, norms and the embedding rows looked up
+    assert len(list((tmp_path / "cache" / "q8-head").glob("*.bin"))) == 1

@@ -102,7 +102,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
 
             path = default_model.path()
         model = load_model(path, progress=progress)
-        pages = map_pages(model)  # the file's page faults, on a thread beside the tokenizer's build
+        head = choose_lm_head(lm_head, model.head_type)
+        pages = map_pages(model, head == "f16")  # the file's page faults, on a thread beside the tokenizer's build
         tokenizer = Tokenizer.from_metadata(model.metadata)
         if n_ctx is None:
             n_ctx = min(model.config.n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
@@ -111,7 +112,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
         # Joined before the weights are placed: they read the pages, and the int8 head's build releases the
         # float table's behind it, which the thread must not fault back in.
         pages.join()
-        transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs, choose_lm_head(lm_head, model.head_type))
+        transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs, head)
     except BaseException:
         provider.close()
         raise

@@ -27,7 +27,7 @@ from typing import BinaryIO
 import numpy as np
 
 from bitnet.modelfile import load_cache
-from bitnet.modelfile.model import mapped_span
+from bitnet.modelfile.model import mapped_span, release_pages
 from bitnet.plugins.types import cache_dir
 from bitnet.runtime.reference import Q8Table, q8_table
 
@@ -91,6 +91,7 @@ def _read(entry: Path, key: tuple, head: np.ndarray) -> Q8Table | None:
         return None
     rows = np.unique(np.linspace(0, vocab - 1, min(vocab, CHECK_ROWS)).astype(np.intp))
     ref = q8_table(np.asarray(head[rows]))
+    release_pages(head)  # the rows read, and the pages the kernel's read-around mapped beside them
     if not (np.array_equal(ref.q, q[rows]) and np.array_equal(ref.scale.view(np.uint32), scale[rows].view(np.uint32))):
         return None
     return Q8Table(q, scale)
