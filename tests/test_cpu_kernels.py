@@ -112,7 +112,7 @@ def test_quantize_q8k_is_bit_exact(level: str) -> None:
 # -- BitLinear -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows, cols", [(1, 256), (65, 512), (130, 768)])
-@pytest.mark.parametrize("n", [1, 3, 7])
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 7])  # passes of 1, 2 and TILE tokens
 def test_integer_sums_are_exact(cpu: CpuProvider, rows: int, cols: int, n: int) -> None:
     # Unit weight scales: y = isum / s, one rounding in both providers, so they agree bit for bit.
     rng = np.random.default_rng(rows * 1000 + n)
@@ -311,7 +311,7 @@ def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, n: int) -> Non
     assert np.array_equal(cpu_float.argmax(got), REF.argmax(want))
 
 
-@pytest.mark.parametrize("vocab, dim, n", [(1, 64, 1), (1000, 320, 1), (1537, 100, 4), (700, 2560, 9)])
+@pytest.mark.parametrize("vocab, dim, n", [(1, 64, 1), (1000, 320, 1), (1537, 100, 4), (700, 2560, 9), (300, 256, 6)])
 def test_q8_lm_head_is_bit_exact(cpu: CpuProvider, vocab: int, dim: int, n: int) -> None:
     # An integer path: the reference's logits to the bit, at every level and thread count (n = 9: two
     # groups of four tokens and one more; dim 100: no whole SIMD register at the end of a row).

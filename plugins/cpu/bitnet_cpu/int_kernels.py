@@ -71,11 +71,16 @@ def _make_q8_dot(tile: int) -> Callable[..., Any]:
     return q8dot
 
 
+# One, two and TILE tokens per pass: a pass computes all of its width, so two tokens (two sequences
+# decoding side by side) through the TILE kernel cost as much as TILE.
 _dot_row_1 = _make_dot(1, False)
+_dot_row_2 = _make_dot(2, False)
 _dot_row_tile = _make_dot(TILE, False)
 _dot_blocks_1 = _make_dot(1, True)
+_dot_blocks_2 = _make_dot(2, True)
 _dot_blocks_tile = _make_dot(TILE, True)
 _q8_dot_1 = _make_q8_dot(1)
+_q8_dot_2 = _make_q8_dot(2)
 _q8_dot = _make_q8_dot(TILE)
 
 # -- activation quantization (float32 arithmetic exactly as the reference: no fastmath) -----------
@@ -172,6 +177,8 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
                 waddr = w0 + r * wstride
                 if nt == 1:
                     _dot_row_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
+                elif nt == 2:
+                    _dot_row_2(waddr, nb, bstride, qaddr, qstride, 2, isum.ctypes.data)
                 else:
                     _dot_row_tile(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
                 for i in range(nt):
@@ -200,6 +207,8 @@ def matmul_blockscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, q
                 waddr = w0 + r * wstride
                 if nt == 1:
                     _dot_blocks_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
+                elif nt == 2:
+                    _dot_blocks_2(waddr, nb, bstride, qaddr, qstride, 2, isum.ctypes.data)
                 else:
                     _dot_blocks_tile(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
                 for i in range(nt):
@@ -279,6 +288,8 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
                 nt = min(TILE, n - t0)
                 if nt == 1:
                     _q8_dot_1(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 1, isum.ctypes.data)
+                elif nt == 2:
+                    _q8_dot_2(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 2, isum.ctypes.data)
                 else:
                     _q8_dot(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data)
                 for i in range(nt):
