@@ -391,6 +391,15 @@ def test_elementwise_kernels(cpu_float: CpuProvider, n: int) -> None:
     np.testing.assert_array_equal(cpu_float.add(x, y), REF.add(x, y))
 
 
+def test_rope_angles_follow_the_positions(cpu_float: CpuProvider) -> None:
+    # The provider keeps the last angles (every layer turns by the same ones): other positions of the
+    # same shape, or another theta, must not reuse them.
+    x = np.random.default_rng(6).standard_normal((3, 256)).astype(np.float32)
+    for positions, theta in [([0, 5, 9], 1e4), ([1, 6, 10], 1e4), ([1, 6, 10], 5e5), ([0, 5, 9], 1e4)]:
+        p = np.array(positions, np.int32)
+        assert rel_err(cpu_float.rope(x, 2, 128, p, theta), REF.rope(x, 2, 128, p, theta)) < 1e-6
+
+
 # -- batch invariance: a row's result never depends on the other rows of its batch ---------------------------
 
 def one_by_one(op, x: np.ndarray) -> np.ndarray:

@@ -142,6 +142,7 @@ class CpuProvider(ReferenceProvider):
         self._tk = isa_levels.kernels(self.isa)
         # numba cannot start more threads than it was configured with at import (NUMBA_NUM_THREADS).
         self.n_threads = max(1, min(n_threads or threads(), numba.config.NUMBA_NUM_THREADS))
+        self._rope: tuple[tuple[bytes, int, float], np.ndarray, np.ndarray] | None = None  # the last angles
         self._use_threads()
 
     def _use_threads(self) -> None:
@@ -280,8 +281,15 @@ class CpuProvider(ReferenceProvider):
     def rope(self, x: Any, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Any:
         self.record("cpu.rope")
         x = np.ascontiguousarray(x, dtype=np.float32)
+        positions = np.ascontiguousarray(positions, np.int32)
+        # Every layer's Q and K turn by the same angles: computed once per forward pass (sin and cos
+        # were 0.3 ms of each of a 128-token prefill's 60 calls).
+        key = (positions.tobytes(), head_dim, float(theta))
+        table = self._rope
+        if table is None or table[0] != key:
+            table = self._rope = (key, *fk.rope_table(positions, head_dim, float(theta)))
         out = np.empty_like(x)
-        fk.rope(x, n_heads, head_dim, np.ascontiguousarray(positions, np.int32), float(theta), out)
+        fk.rope(x, n_heads, head_dim, table[1], table[2], out)
         return out
 
     def add(self, a: Any, b: Any) -> Any:
