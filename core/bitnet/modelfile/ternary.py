@@ -66,7 +66,7 @@ class TernaryMatrix:
     def row_scales(self) -> np.ndarray | None:
         """One scale per row when every block of the row shares it, else None."""
         first = self.scales[:, :1]
-        return first[:, 0].copy() if np.array_equal(self.scales, np.broadcast_to(first, self.scales.shape)) else None
+        return first[:, 0].copy() if bool((self.scales == first).all()) else None
 
     def values(self) -> np.ndarray:
         """The ternary values t in {-1, 0, 1} as int8 [rows, cols] (tests and reference only)."""
