@@ -195,7 +195,7 @@ def test_another_code_version_trusts_no_entry(cache: Path, tmp_path: Path, monke
     path = write(tmp_path / "m.gguf")
     load_model(path)
     assert load_cache.lookup(str(path), load_cache.identity(str(path))) is not None
-    monkeypatch.setattr(load_cache, "_STAMP", b"another version")
+    monkeypatch.setattr(load_cache, "_stamp", lambda: b"another version")
     assert load_cache.lookup(str(path), load_cache.identity(str(path))) is None
 
 

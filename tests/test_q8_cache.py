@@ -134,3 +134,12 @@ def test_the_cpu_engine_runs_the_same_from_the_cache(cpu_env: None, cache: Path,
             logits.append(e.transformer.forward(np.arange(3, 9, dtype=np.int32), 0, all_logits=True))
     assert built == [1] and len(list(cache.glob("*.bin"))) == 1
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_another_code_version_trusts_no_entry(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_table(tmp_path / "m.gguf", 1)
+    build = Builds()
+    q8_cache.table(mapped(tmp_path / "m.gguf"), build)
+    monkeypatch.setattr(q8_cache, "_stamp", lambda: b"another version")
+    q8_cache.table(mapped(tmp_path / "m.gguf"), build)
+    assert build.calls == 2

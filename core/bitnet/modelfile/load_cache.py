@@ -23,6 +23,7 @@ oldest go first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import marshal
 import os
@@ -31,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from bitnet.plugins.types import cache_dir
 
 MIN_FILE_BYTES = 64 << 20
 MAX_ENTRIES = 32
@@ -50,7 +53,7 @@ class Entry:
 
 
 def directory() -> Path:
-    return Path(os.environ.get("BITNET_CACHE_DIR") or Path.home() / ".cache" / "bitnet") / "gguf-load"
+    return cache_dir() / "gguf-load"
 
 
 def identity(path: str) -> Identity | None:
@@ -136,16 +139,16 @@ def write_entry(target: Path, fill: Callable[[BinaryIO], object], keep: int) -> 
         old.unlink(missing_ok=True)
 
 
-_STAMP: bytes | None = None
+@functools.cache
+def code_stamp(*sources: Path) -> bytes:
+    """A hash of the source files whose code an entry depends on: a new version trusts no old entry."""
+    h = hashlib.blake2b(digest_size=16)
+    for source in sources:
+        h.update(source.read_bytes())
+    return h.digest()
 
 
 def _stamp() -> bytes:
-    """A hash of the code that parses and checks files: a new version trusts no old entry."""
-    global _STAMP
-    if _STAMP is None:
-        here = Path(__file__).resolve().parent
-        h = hashlib.blake2b(digest_size=16)
-        for name in ("load_cache.py", "model.py", "gguf_reader.py", "formats.py"):
-            h.update((here / name).read_bytes())
-        _STAMP = h.digest()
-    return _STAMP
+    """The code that parses and checks files."""
+    here = Path(__file__).resolve().parent
+    return code_stamp(*(here / name for name in ("load_cache.py", "model.py", "gguf_reader.py", "formats.py")))

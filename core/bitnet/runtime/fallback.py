@@ -22,9 +22,8 @@ import numpy as np
 
 from bitnet.errors import NoBackendError
 from bitnet.plugins.registry import env_flag
-from bitnet.runtime import q8_cache
 from bitnet.runtime.provider import OPERATIONS, KernelProvider, native_operations
-from bitnet.runtime.reference import ReferenceProvider, q8_table
+from bitnet.runtime.reference import ReferenceProvider
 
 # How many leading arguments of each operation are activation handles; the rest (weights,
 # the KV cache, token ids, numbers) are already where the reference reads them.
@@ -59,7 +58,7 @@ def place_weight(provider: KernelProvider, op: str, a: np.ndarray) -> Any:
     """A float weight read by `op`: uploaded when the provider runs `op`, else the host array itself.
     For lm_head_q8, the int8 copy of the table, built by that side."""
     if op == "lm_head_q8":
-        return provider.upload_q8(a) if op in native_operations(provider) else q8_cache.table(a, q8_table)
+        return (provider if op in native_operations(provider) else host_reference(provider)).upload_q8(a)
     return provider.upload_float(a) if op in native_operations(provider) else a
 
 

@@ -113,14 +113,7 @@ def _write(entry: Path, key: tuple, built: Q8Table) -> None:
         pass
 
 
-_STAMP: bytes | None = None
-
-
 def _stamp() -> bytes:
-    """A hash of the code that defines the int8 table: a new rule trusts no old entry."""
-    global _STAMP
-    if _STAMP is None:
-        here = Path(__file__).resolve().parent
-        _STAMP = hashlib.blake2b(b"".join((here / n).read_bytes() for n in ("q8_cache.py", "reference.py")),
-                                 digest_size=16).digest()
-    return _STAMP
+    """The code that defines the int8 table."""
+    here = Path(__file__).resolve().parent
+    return load_cache.code_stamp(here / "q8_cache.py", here / "reference.py")
