@@ -222,8 +222,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     [n_seqs, n_kv, n_ctx, hd]; then causal grouped-query attention of q [n, n_heads*hd] over it.
 
     Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
-    h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. Each (head,
-    row) is one task computed alone, so a row's result never depends on the rows beside it.
+    h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. A task is a
+    row and a KV head with the query heads that share it: each cached key and value is read once
+    for all of them (from memory, once the context outgrows the caches), not once per head. A
+    row's result never depends on the rows beside it.
     """
     n = q.shape[0]
     n_kv, hd = keys.shape[1], keys.shape[3]
@@ -234,34 +236,48 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
             for d in range(hd):
                 keys[slots[t], h, positions[t], d] = k[t, h * hd + d]
                 values[slots[t], h, positions[t], d] = v[t, h * hd + d]
-    for task in prange(n_heads * n):
-        h, t = task // n, task % n
-        kv, slot, total = h // group, slots[t], positions[t] + 1
-        qh = np.empty(hd, np.float32)  # contiguous for sure, unlike a slice of q
-        for d in range(hd):
-            qh[d] = q[t, h * hd + d] * scale
-        scores = np.empty(total, np.float32)
-        top = np.float32(-np.inf)
+    for task in prange(n_kv * n):
+        kv, t = task // n, task % n
+        slot, total = slots[t], positions[t] + 1
+        qg = np.empty((group, hd), np.float32)
+        for g in range(group):
+            for d in range(hd):
+                qg[g, d] = q[t, (kv * group + g) * hd + d] * scale
+        scores = np.empty((group, total), np.float32)
         for p in range(total):
             krow = keys[slot, kv, p]
-            acc = np.float32(0.0)
-            for d in range(hd):
-                acc += qh[d] * krow[d]
-            scores[p] = acc
-            top = max(top, acc)
-        den = 0.0
-        for p in range(total):
-            e = np.exp(scores[p] - top)
-            scores[p] = e
-            den += e
-        o = np.empty(hd, np.float32)
-        for d in range(hd):
-            o[d] = 0.0
-        for p in range(total):
-            w = scores[p]
+            for g in range(group):
+                acc = np.float32(0.0)
+                for d in range(hd):
+                    acc += qg[g, d] * krow[d]
+                scores[g, p] = acc
+        inv = np.empty(group, np.float32)
+        for g in range(group):
+            top = np.float32(-np.inf)
+            for p in range(total):
+                top = max(top, scores[g, p])
+            den = 0.0
+            for p in range(total):
+                e = np.exp(scores[g, p] - top)
+                scores[g, p] = e
+                den += e
+            inv[g] = np.float32(1.0 / den)
+        o = np.zeros((group, hd), np.float32)
+        # Four positions per pass over o: its loads and stores, not the multiplies, had bounded the loop.
+        whole = total - total % 4
+        for p in range(0, whole, 4):
+            vs = values[slot, kv]
+            v0, v1, v2, v3 = vs[p], vs[p + 1], vs[p + 2], vs[p + 3]
+            for g in range(group):
+                w0, w1, w2, w3 = scores[g, p], scores[g, p + 1], scores[g, p + 2], scores[g, p + 3]
+                for d in range(hd):
+                    o[g, d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
+        for p in range(whole, total):
             vrow = values[slot, kv, p]
+            for g in range(group):
+                w = scores[g, p]
+                for d in range(hd):
+                    o[g, d] += w * vrow[d]
+        for g in range(group):
             for d in range(hd):
-                o[d] += w * vrow[d]
-        inv = np.float32(1.0 / den)
-        for d in range(hd):
-            out[t, h * hd + d] = o[d] * inv
+                out[t, (kv * group + g) * hd + d] = o[g, d] * inv[g]
