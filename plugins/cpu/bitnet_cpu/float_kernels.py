@@ -239,13 +239,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     for task in prange(n_kv * n):
         kv, t = task // n, task % n
         slot, total = slots[t], positions[t] + 1
+        ks, vs = keys[slot, kv], values[slot, kv]
         qg = np.empty((group, hd), np.float32)
         for g in range(group):
             for d in range(hd):
                 qg[g, d] = q[t, (kv * group + g) * hd + d] * scale
         scores = np.empty((group, total), np.float32)
         for p in range(total):
-            krow = keys[slot, kv, p]
+            krow = ks[p]
             for g in range(group):
                 acc = np.float32(0.0)
                 for d in range(hd):
@@ -266,14 +267,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
         # Four positions per pass over o: its loads and stores, not the multiplies, had bounded the loop.
         whole = total - total % 4
         for p in range(0, whole, 4):
-            vs = values[slot, kv]
             v0, v1, v2, v3 = vs[p], vs[p + 1], vs[p + 2], vs[p + 3]
             for g in range(group):
                 w0, w1, w2, w3 = scores[g, p], scores[g, p + 1], scores[g, p + 2], scores[g, p + 3]
                 for d in range(hd):
                     o[g, d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
         for p in range(whole, total):
-            vrow = values[slot, kv, p]
+            vrow = vs[p]
             for g in range(group):
                 w = scores[g, p]
                 for d in range(hd):
