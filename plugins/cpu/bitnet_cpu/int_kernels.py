@@ -73,12 +73,6 @@ def _make_q8_dot(tile: int) -> Callable[..., Any]:
 
 # One, two and TILE tokens per pass: a pass computes all of its width, so two tokens (two sequences
 # decoding side by side) through the TILE kernel cost as much as TILE.
-_dot_row_1 = _make_dot(1, False)
-_dot_row_2 = _make_dot(2, False)
-_dot_row_tile = _make_dot(TILE, False)
-_dot_blocks_1 = _make_dot(1, True)
-_dot_blocks_2 = _make_dot(2, True)
-_dot_blocks_tile = _make_dot(TILE, True)
 _q8_dot_1 = _make_q8_dot(1)
 _q8_dot_2 = _make_q8_dot(2)
 _q8_dot = _make_q8_dot(TILE)
@@ -155,39 +149,67 @@ def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray, 
 
 # -- BitLinear drivers ----------------------------------------------------------------------------
 
-@njit(parallel=True, inline="always", cache=CACHE)
+def _make_sums(per_block: bool) -> Callable[..., None]:
+    """sums(w0, wstride, r0, r1, nb, bstride, qaddr, qstride, nt, isum, acc): the integer sums of rows r0..r1
+    for nt <= TILE tokens into acc [TILE, nb if per_block else 1, r1 - r0] (isum: TILE * nb scratch).
+
+    Row last, so the float epilogue runs over a task's rows in SIMD, apart from the dot (a scalar
+    epilogue after each row's dot had cost 3-10 % of a call; its zero-division check, hence
+    error_model="numpy" on the drivers, kept LLVM from vectorizing the division: the divisors are
+    127/max|x| or 1, never 0)."""
+    one, two, tile = (_make_dot(t, per_block) for t in (1, 2, TILE))
+
+    @njit(inline="always", cache=CACHE)
+    def sums(w0: int, wstride: int, r0: int, r1: int, nb: int, bstride: int, qaddr: int, qstride: int, nt: int,
+             isum: np.ndarray, acc: np.ndarray) -> None:
+        k = nb if per_block else 1
+        for r in range(r0, r1):
+            waddr = w0 + r * wstride
+            if nt == 1:
+                one(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
+            elif nt == 2:
+                two(waddr, nb, bstride, qaddr, qstride, 2, isum.ctypes.data)
+            else:
+                tile(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
+            for i in range(nt):
+                for b in range(k):
+                    acc[i, b, r - r0] = isum[i * k + b]
+
+    return sums
+
+
+_row_sums, _block_sums = _make_sums(False), _make_sums(True)
+
+
+@njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")
 def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, s: np.ndarray,
                     row_scale: np.ndarray, out: np.ndarray) -> None:
     """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row
     (out flat, each array's [n, height] in turn; r a row of the stack)."""
     n, qstride = q.shape[0], q.strides[0]
-    qtot = np.empty(n, np.int64)
+    qtot = np.empty(n, np.float64)
     for t in range(n):
-        qtot[t] = 0
+        total = 0
         for b in range(nb):
-            qtot[t] += qsum[t, b]
+            total += qsum[t, b]
+        qtot[t] = total  # exact: |total| < 2**53, so float64(isum) - qtot is float64(isum - total)
     for task in prange(tasks.shape[0]):
-        isum = np.empty(TILE, np.int32)
         w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
         first, height = tasks[task, 4], tasks[task, 5]
+        isum, acc = np.empty(TILE, np.int32), np.empty((TILE, 1, r1 - r0), np.int32)
+        scale = row_scale[first + r0:first + r1]
         for t0 in range(0, n, TILE):
             nt = min(TILE, n - t0)
-            qaddr = q.ctypes.data + t0 * qstride
-            for r in range(r0, r1):
-                waddr = w0 + r * wstride
-                if nt == 1:
-                    _dot_row_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
-                elif nt == 2:
-                    _dot_row_2(waddr, nb, bstride, qaddr, qstride, 2, isum.ctypes.data)
-                else:
-                    _dot_row_tile(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
-                for i in range(nt):
-                    t = t0 + i
-                    out[n * first + t * height + r] = np.float32(np.float64(isum[i] - qtot[t])
-                                                                 * np.float64(row_scale[first + r]) / np.float64(s[t]))
+            _row_sums(w0, wstride, r0, r1, nb, bstride, q.ctypes.data + t0 * qstride, qstride, nt, isum, acc)
+            for i in range(nt):
+                t = t0 + i
+                o = out[n * first + t * height + r0:n * first + t * height + r1]
+                st, qt = np.float64(s[t]), qtot[t]
+                for j in range(r1 - r0):
+                    o[j] = np.float32((np.float64(acc[i, 0, j]) - qt) * np.float64(scale[j]) / st)
 
 
-@njit(parallel=True, inline="always", cache=CACHE)
+@njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")
 def matmul_blockscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, scales: np.ndarray,
                       act_scale: np.ndarray, per_block_act: bool, out: np.ndarray) -> None:
     """Per-block weight scales and/or per-block activation scales.
@@ -197,38 +219,33 @@ def matmul_blockscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, q
     """
     n, qstride = q.shape[0], q.strides[0]
     for task in prange(tasks.shape[0]):
-        isum = np.empty(TILE * nb, np.int32)
         w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
         first, height = tasks[task, 4], tasks[task, 5]
+        isum, acc = np.empty(TILE * nb, np.int32), np.empty((TILE, nb, r1 - r0), np.int32)
+        scale = scales[first + r0:first + r1].T.copy()  # [nb, rows]: the epilogue runs along rows
+        total = np.empty(r1 - r0, np.float64)
         for t0 in range(0, n, TILE):
             nt = min(TILE, n - t0)
-            qaddr = q.ctypes.data + t0 * qstride
-            for r in range(r0, r1):
-                waddr = w0 + r * wstride
-                if nt == 1:
-                    _dot_blocks_1(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
-                elif nt == 2:
-                    _dot_blocks_2(waddr, nb, bstride, qaddr, qstride, 2, isum.ctypes.data)
-                else:
-                    _dot_blocks_tile(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
-                for i in range(nt):
-                    t = t0 + i
-                    acc = 0.0
-                    for b in range(nb):
-                        v = np.float64(isum[i * nb + b] - qsum[t, b]) * np.float64(scales[first + r, b])
-                        if per_block_act:
-                            v *= np.float64(act_scale[t, b])
-                        acc += v
-                    if not per_block_act:
-                        acc /= np.float64(act_scale[t, 0])
-                    out[n * first + t * height + r] = np.float32(acc)
+            _block_sums(w0, wstride, r0, r1, nb, bstride, q.ctypes.data + t0 * qstride, qstride, nt, isum, acc)
+            for i in range(nt):
+                t = t0 + i
+                total[:] = 0.0
+                for b in range(nb):  # each row sums its blocks in order, as the reference does
+                    qb = np.float64(qsum[t, b])
+                    ab = np.float64(act_scale[t, b]) if per_block_act else 1.0
+                    for j in range(r1 - r0):
+                        v = (np.float64(acc[i, b, j]) - qb) * np.float64(scale[b, j])
+                        total[j] += v * ab if per_block_act else v
+                o = out[n * first + t * height + r0:n * first + t * height + r1]
+                for j in range(r1 - r0):
+                    o[j] = np.float32(total[j] if per_block_act else total[j] / np.float64(act_scale[t, 0]))
 
 
 # -- BitLinear entry points: quantize and multiply in one call from Python --------------------------
 # (Decode makes 120 of these calls per token: each Python-side allocation or dispatch saved counts.)
 # tasks, bstride: the stacked code arrays' parallel tasks and their block stride (see the module docstring).
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True, cache=CACHE, error_model="numpy")
 def bitlinear_row_rowscale(x: np.ndarray, tasks: np.ndarray, bstride: int, row_scale: np.ndarray,
                            rev: bool) -> np.ndarray:
     """"row" quantization, one weight scale per row: y, each array's [n, its rows] in turn (flat)."""
@@ -241,7 +258,7 @@ def bitlinear_row_rowscale(x: np.ndarray, tasks: np.ndarray, bstride: int, row_s
     return out
 
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True, cache=CACHE, error_model="numpy")
 def bitlinear_row_blockscale(x: np.ndarray, tasks: np.ndarray, bstride: int, scales: np.ndarray,
                              rev: bool) -> np.ndarray:
     """"row" quantization, a weight scale per 256-block: y as bitlinear_row_rowscale's."""
@@ -254,7 +271,7 @@ def bitlinear_row_blockscale(x: np.ndarray, tasks: np.ndarray, bstride: int, sca
     return out
 
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True, cache=CACHE, error_model="numpy")
 def bitlinear_block256(x: np.ndarray, tasks: np.ndarray, bstride: int, scales: np.ndarray, rev: bool) -> np.ndarray:
     """"block256" (Q8_K) quantization: y as bitlinear_row_rowscale's."""
     n, cols = x.shape
