@@ -285,33 +285,43 @@ def bitlinear_block256(x: np.ndarray, tasks: np.ndarray, bstride: int, scales: n
 
 # -- the int8 LM head ---------------------------------------------------------------------------------
 
-@njit(parallel=True, cache=CACHE)  # no fastmath: the float64 epilogue is the reference's, to the bit
+_HEAD_ROWS = 64  # rows whose sums wait for one epilogue: a few hundred cycles of it between their dots
+
+@njit(parallel=True, cache=CACHE, error_model="numpy")  # no fastmath: the float64 epilogue is the reference's
 def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarray, rows_per_task: int,
                out: np.ndarray) -> None:
     """out[t, r] = sum_i q[t, i] * table[r, i] * scale[r] / s[t]: int8 codes in [-127, 127], an exact int32 sum.
 
     TILE tokens share each pass over a table row (the row stays in L1); the columns past the last
-    whole CHUNK are summed here.
+    whole CHUNK are summed here. The float epilogue runs over a task's rows in SIMD once their sums
+    are done (see _make_sums; s is 127/max|x| or 1, never 0).
     """
     vocab, dim = table.shape
     n = q.shape[0]
     whole = dim // CHUNK
     qstride = q.strides[0]
     for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-        isum = np.empty(TILE, np.int32)
-        for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
-            waddr = table.ctypes.data + r * table.strides[0]
-            for t0 in range(0, n, TILE):
-                nt = min(TILE, n - t0)
-                if nt == 1:
-                    _q8_dot_1(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 1, isum.ctypes.data)
-                elif nt == 2:
-                    _q8_dot_2(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 2, isum.ctypes.data)
-                else:
-                    _q8_dot(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data)
-                for i in range(nt):
-                    t = t0 + i
-                    acc = isum[i]
-                    for c in range(whole * CHUNK, dim):
-                        acc += np.int32(table[r, c]) * np.int32(q[t, c])
-                    out[t, r] = np.float32(np.float64(acc) * np.float64(scale[r]) / np.float64(s[t]))
+        isum, acc = np.empty(TILE, np.int32), np.empty((n, _HEAD_ROWS), np.int32)
+        for lo in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task), _HEAD_ROWS):
+            hi = min(vocab, (task + 1) * rows_per_task, lo + _HEAD_ROWS)
+            for r in range(lo, hi):
+                waddr = table.ctypes.data + r * table.strides[0]
+                for t0 in range(0, n, TILE):
+                    nt = min(TILE, n - t0)
+                    if nt == 1:
+                        _q8_dot_1(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 1, isum.ctypes.data)
+                    elif nt == 2:
+                        _q8_dot_2(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 2, isum.ctypes.data)
+                    else:
+                        _q8_dot(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data)
+                    for i in range(nt):
+                        t = t0 + i
+                        total = isum[i]
+                        for c in range(whole * CHUNK, dim):
+                            total += np.int32(table[r, c]) * np.int32(q[t, c])
+                        acc[t, r - lo] = total
+            rows = scale[lo:hi]
+            for t in range(n):
+                o, st = out[t, lo:hi], np.float64(s[t])
+                for j in range(hi - lo):
+                    o[j] = np.float32(np.float64(acc[t, j]) * np.float64(rows[j]) / st)
