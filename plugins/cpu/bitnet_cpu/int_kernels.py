@@ -154,9 +154,9 @@ def _make_sums(per_block: bool) -> Callable[..., None]:
     for nt <= TILE tokens into acc [TILE, nb if per_block else 1, r1 - r0] (isum: TILE * nb scratch).
 
     Row last, so the float epilogue runs over a task's rows in SIMD, apart from the dot (a scalar
-    epilogue after each row's dot had cost 3-10 % of a call; its zero-division check, hence
-    error_model="numpy" on the drivers, kept LLVM from vectorizing the division: the divisors are
-    127/max|x| or 1, never 0)."""
+    epilogue after each row's dot had cost up to 8 % of a call at 2-8 tokens; its zero-division
+    check, hence error_model="numpy" on the drivers, kept LLVM from vectorizing the division: the
+    divisors are 127/max|x| or 1, never 0)."""
     one, two, tile = (_make_dot(t, per_block) for t in (1, 2, TILE))
 
     @njit(inline="always", cache=CACHE)
