@@ -230,15 +230,17 @@ def matmul_blockscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, q
             for i in range(nt):
                 t = t0 + i
                 total[:] = 0.0
-                for b in range(nb):  # each row sums its blocks in order, as the reference does
+                # Each row sums its blocks in order, as the reference does; a factor or divisor of 1.0
+                # where the reference has none changes no bit.
+                for b in range(nb):
                     qb = np.float64(qsum[t, b])
                     ab = np.float64(act_scale[t, b]) if per_block_act else 1.0
                     for j in range(r1 - r0):
-                        v = (np.float64(acc[i, b, j]) - qb) * np.float64(scale[b, j])
-                        total[j] += v * ab if per_block_act else v
+                        total[j] += (np.float64(acc[i, b, j]) - qb) * np.float64(scale[b, j]) * ab
+                div = 1.0 if per_block_act else np.float64(act_scale[t, 0])
                 o = out[n * first + t * height + r0:n * first + t * height + r1]
                 for j in range(r1 - r0):
-                    o[j] = np.float32(total[j] if per_block_act else total[j] / np.float64(act_scale[t, 0]))
+                    o[j] = np.float32(total[j] / div)
 
 
 # -- BitLinear entry points: quantize and multiply in one call from Python --------------------------
@@ -286,6 +288,7 @@ def bitlinear_block256(x: np.ndarray, tasks: np.ndarray, bstride: int, scales: n
 # -- the int8 LM head ---------------------------------------------------------------------------------
 
 _HEAD_ROWS = 64  # rows whose sums wait for one epilogue: a few hundred cycles of it between their dots
+
 
 @njit(parallel=True, cache=CACHE, error_model="numpy")  # no fastmath: the float64 epilogue is the reference's
 def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarray, rows_per_task: int,
