@@ -19,6 +19,7 @@ from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
 from bitnet_cpu import dot_ir, isa
+from bitnet_cpu.dot_ir import GROUP, TILE
 from bitnet_cpu.provider import CpuProvider, PackedTernary
 
 REF = ReferenceProvider()
@@ -270,19 +271,21 @@ def test_a_dot_product_that_drops_a_field_fails(level: str, monkeypatch: pytest.
 
 
 def test_extreme_codes_and_zero_weights(cpu: CpuProvider) -> None:
-    # Every weight +1 or every weight -1 with maximal activations: the largest block sums.
-    cols = 1024
+    # Every weight +1 or every weight -1 with maximal activations: the largest block sums, over more
+    # blocks than AVX2's int16 partial sums span (GROUP), at 1, 2 and TILE tokens.
+    cols = 256 * (2 * GROUP + 2)
     t = np.ones((4, cols), np.int8)
     t[1] = -1
     t[2] = 0
     t[3, ::2] = -1
     w = from_values(t, np.float32(0.75))
-    x = np.full((2, cols), 3.0, np.float32)
+    x = np.full((TILE, cols), 3.0, np.float32)
     x[1, ::3] = -3.0
     for mode in ("row", "block256"):
-        got = cpu.bitlinear(x, cpu.upload_ternary(w), mode)
-        np.testing.assert_allclose(got, REF.bitlinear(x, w, mode), rtol=1e-6, atol=0)
-        assert np.all(got[:, 2] == 0)
+        for n in (1, 2, TILE):
+            got = cpu.bitlinear(x[:n], cpu.upload_ternary(w), mode)
+            np.testing.assert_allclose(got, REF.bitlinear(x[:n], w, mode), rtol=1e-6, atol=0)
+            assert np.all(got[:, 2] == 0)
 
 
 def test_dispatches_name_the_kernel(cpu: CpuProvider) -> None:
