@@ -214,6 +214,14 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
             _store(builder, out, ntok, t, ir.Constant(_I64, t), blk.total([builder.load(a) for a in accs[t]]))
 
 
+def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Value,
+                 k: ir.Value) -> tuple[list[ir.Value], ir.Value]:
+    """Block k's code fields (its bytes prefetched ahead) and the byte offset of its activations."""
+    wk = builder.gep(w0, [builder.mul(k, wstep)])
+    blk.prefetch(wk, PREFETCH_BYTES)
+    return blk.codes(wk), builder.mul(k, ir.Constant(_I64, BLOCK))
+
+
 def _block_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Value, wstep: ir.Value,
                 qrows: list[ir.Value], accs: list[list[ir.Value]], out: ir.Value, ntok: ir.Value,
                 per_block: bool) -> None:
@@ -221,10 +229,7 @@ def _block_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Value, 
     tile = len(qrows)
     with cgutils.for_range(builder, nb) as loop:
         k = loop.index
-        wk = builder.gep(w0, [builder.mul(k, wstep)])
-        blk.prefetch(wk, PREFETCH_BYTES)
-        codes = blk.codes(wk)
-        qoff = builder.mul(k, ir.Constant(_I64, BLOCK))
+        codes, qoff = _block_codes(builder, blk, w0, wstep, k)
         for t in range(tile):
             acc = blk.update([builder.load(a) for a in accs[t]], codes, builder.gep(qrows[t], [qoff]))
             if per_block:
@@ -246,11 +251,7 @@ def _avx2_row_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Valu
         left = b.sub(nb, k0)
         s16 = [cgutils.alloca_once_value(b, ir.Constant(_vec(_I16, 16), None)) for _ in qrows]
         with cgutils.for_range(b, b.select(b.icmp_signed("<", left, g), left, g)) as inner:
-            k = b.add(k0, inner.index)
-            wk = b.gep(w0, [b.mul(k, wstep)])
-            blk.prefetch(wk, PREFETCH_BYTES)
-            codes = blk.codes(wk)
-            qoff = b.mul(k, ir.Constant(_I64, BLOCK))
+            codes, qoff = _block_codes(b, blk, w0, wstep, b.add(k0, inner.index))
             for s, qrow in zip(s16, qrows, strict=True):
                 b.store(b.add(b.load(s), blk.pairs(codes, b.gep(qrow, [qoff]))), s)
         for s, a in zip(s16, accs, strict=True):
