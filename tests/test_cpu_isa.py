@@ -73,9 +73,10 @@ def _instructions(asm: str) -> set[str]:
     ("avx2", None, {"vpmaddubsw ymm", "vpmaddwd ymm"}),
     ("generic", None, {"pmaddwd xmm"}),  # baseline x86-64 (SSE2): LLVM finds pmaddwd on its own
 ])
-@pytest.mark.parametrize("tile, per_block, q8", [(1, False, False), (dot_ir.TILE, True, False), (1, False, True),
+@pytest.mark.parametrize("tile, per_block, q8", [(1, False, False), (dot_ir.TILE, True, False),
+                                                (dot_ir.WIDE, False, False), (1, False, True),
                                                 (dot_ir.TILE, False, True)],
-                         ids=["ternary1", "ternary4", "q8_1", "q8_4"])
+                         ids=["ternary1", "ternary4", "ternary8", "q8_1", "q8_4"])
 def test_every_level_compiles_to_its_instructions(level: str, cpu: str | None, expected: set[str], tile: int,
                                                   per_block: bool, q8: bool) -> None:
     # q8: the int8 LM head's dot, the same instructions (|w| unsigned, q with w's sign).

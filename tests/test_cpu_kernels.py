@@ -19,7 +19,7 @@ from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
 from bitnet_cpu import dot_ir, isa
-from bitnet_cpu.dot_ir import GROUP, TILE
+from bitnet_cpu.dot_ir import GROUP, TILE, WIDE, WIDE_BYTES
 from bitnet_cpu.provider import CpuProvider, PackedTernary
 
 REF = ReferenceProvider()
@@ -113,7 +113,7 @@ def test_quantize_q8k_is_bit_exact(level: str) -> None:
 # -- BitLinear -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows, cols", [(1, 256), (65, 512), (130, 768)])
-@pytest.mark.parametrize("n", [1, 2, 3, 6, 7])  # passes of 1, 2 and TILE tokens
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 7, 9, 16])  # passes of 1, 2, TILE and WIDE tokens
 def test_integer_sums_are_exact(cpu: CpuProvider, rows: int, cols: int, n: int) -> None:
     # Unit weight scales: y = isum / s, one rounding in both providers, so they agree bit for bit.
     rng = np.random.default_rng(rows * 1000 + n)
@@ -270,19 +270,22 @@ def test_a_dot_product_that_drops_a_field_fails(level: str, monkeypatch: pytest.
     assert rel_err(got, REF.bitlinear(x, w, "row")) > 0.05  # a quarter of the weights lost, not rounding
 
 
-def test_extreme_codes_and_zero_weights(cpu: CpuProvider) -> None:
+@pytest.mark.parametrize("blocks", [GROUP + 2, 2 * GROUP + 2], ids=["wide", "tiled"])
+def test_extreme_codes_and_zero_weights(cpu: CpuProvider, blocks: int) -> None:
     # Every weight +1 or every weight -1 with maximal activations: the largest block sums, over more
-    # blocks than AVX2's int16 partial sums span (GROUP), at 1, 2 and TILE tokens.
-    cols = 256 * (2 * GROUP + 2)
+    # blocks than AVX2's int16 partial sums span (GROUP), at 1, 2, TILE and (rows narrow enough) WIDE tokens.
+    cols = 256 * blocks
+    assert (cols * WIDE <= WIDE_BYTES) == (blocks == GROUP + 2)  # both kinds of pass are covered
     t = np.ones((4, cols), np.int8)
     t[1] = -1
     t[2] = 0
     t[3, ::2] = -1
     w = from_values(t, np.float32(0.75))
-    x = np.full((TILE, cols), 3.0, np.float32)
+    x = np.full((WIDE, cols), 3.0, np.float32)
     x[1, ::3] = -3.0
+    x[WIDE - 1, ::5] = -3.0
     for mode in ("row", "block256"):
-        for n in (1, 2, TILE):
+        for n in (1, 2, TILE, WIDE):
             got = cpu.bitlinear(x[:n], cpu.upload_ternary(w), mode)
             np.testing.assert_allclose(got, REF.bitlinear(x[:n], w, mode), rtol=1e-6, atol=0)
             assert np.all(got[:, 2] == 0)

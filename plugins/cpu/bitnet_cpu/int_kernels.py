@@ -32,7 +32,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, emit_dot, emit_q8_dot
+from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, WIDE, WIDE_BYTES, emit_dot, emit_q8_dot
 
 try:  # set by bitnet_cpu.isa.build() before it runs this module
     ISA: str = globals()["ISA"]
@@ -149,15 +149,17 @@ def quantize_q8k(x: np.ndarray, q: np.ndarray, d: np.ndarray, qsum: np.ndarray, 
 
 # -- BitLinear drivers ----------------------------------------------------------------------------
 
-def _make_sums(per_block: bool) -> Callable[..., None]:
+def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
     """sums(w0, wstride, r0, r1, nb, bstride, qaddr, qstride, nt, isum, acc): the integer sums of rows r0..r1
-    for nt <= TILE tokens into acc [TILE, nb if per_block else 1, r1 - r0] (isum: TILE * nb scratch).
+    for nt tokens into acc [nt, nb if per_block else 1, r1 - r0] (isum: nt * nb scratch); nt <= WIDE with
+    wide, else nt <= TILE.
 
     Row last, so the float epilogue runs over a task's rows in SIMD, apart from the dot (a scalar
     epilogue after each row's dot had cost up to 8 % of a call at 2-8 tokens; its zero-division
     check, hence error_model="numpy" on the drivers, kept LLVM from vectorizing the division: the
     divisors are 127/max|x| or 1, never 0)."""
     one, two, tile = (_make_dot(t, per_block) for t in (1, 2, TILE))
+    big = _make_dot(WIDE, per_block) if wide else tile
 
     @njit(inline="always", cache=CACHE)
     def sums(w0: int, wstride: int, r0: int, r1: int, nb: int, bstride: int, qaddr: int, qstride: int, nt: int,
@@ -169,8 +171,10 @@ def _make_sums(per_block: bool) -> Callable[..., None]:
                 one(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
             elif nt == 2:
                 two(waddr, nb, bstride, qaddr, qstride, 2, isum.ctypes.data)
-            else:
+            elif nt <= TILE:
                 tile(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
+            else:
+                big(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
             for i in range(nt):
                 for b in range(k):
                     acc[i, b, r - r0] = isum[i * k + b]
@@ -178,7 +182,7 @@ def _make_sums(per_block: bool) -> Callable[..., None]:
     return sums
 
 
-_row_sums, _block_sums = _make_sums(False), _make_sums(True)
+_row_sums, _block_sums = _make_sums(False, True), _make_sums(True, False)
 
 
 @njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")
@@ -187,6 +191,7 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
     """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row
     (out flat, each array's [n, height] in turn; r a row of the stack)."""
     n, qstride = q.shape[0], q.strides[0]
+    wide = nb * BLOCK * WIDE <= WIDE_BYTES
     qtot = np.empty(n, np.float64)
     for t in range(n):
         total = 0
@@ -196,10 +201,12 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
     for task in prange(tasks.shape[0]):
         w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
         first, height = tasks[task, 4], tasks[task, 5]
-        isum, acc = np.empty(TILE, np.int32), np.empty((TILE, 1, r1 - r0), np.int32)
+        isum, acc = np.empty(WIDE, np.int32), np.empty((WIDE, 1, r1 - r0), np.int32)
         scale = row_scale[first + r0:first + r1]
-        for t0 in range(0, n, TILE):
-            nt = min(TILE, n - t0)
+        t0 = 0
+        while t0 < n:
+            # WIDE tokens at a time while 7 or more are left (5 or 6 cost less as a TILE pass and the rest)
+            nt = min(WIDE, n - t0) if wide and n - t0 >= WIDE - 1 else min(TILE, n - t0)
             _row_sums(w0, wstride, r0, r1, nb, bstride, q.ctypes.data + t0 * qstride, qstride, nt, isum, acc)
             for i in range(nt):
                 t = t0 + i
@@ -207,6 +214,7 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
                 st, qt = np.float64(s[t]), qtot[t]
                 for j in range(r1 - r0):
                     o[j] = np.float32((np.float64(acc[i, 0, j]) - qt) * np.float64(scale[j]) / st)
+            t0 += nt
 
 
 @njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")
