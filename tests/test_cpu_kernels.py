@@ -19,6 +19,7 @@ from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
 from bitnet_cpu import dot_ir, isa
+from bitnet_cpu import float_kernels as fk
 from bitnet_cpu.dot_ir import GROUP, TILE, WIDE, WIDE_BYTES
 from bitnet_cpu.provider import CpuProvider, PackedTernary
 
@@ -381,6 +382,18 @@ def test_attention_prefill_then_decode(cpu_float: CpuProvider) -> None:
         got = cpu_float.attention(q, k, v, caches[0], 1, slots, positions, heads, kv_heads, hd)
         want = REF.attention(q, k, v, caches[1], 1, slots, positions, heads, kv_heads, hd)
         assert rel_err(got, want) < 1e-5, (slots, positions)
+
+
+def test_softmax_exp_is_within_two_ulp() -> None:
+    # Every float32 exponent the softmax meets (0 down to the clamp), and a shift by the row's maximum.
+    x = np.concatenate([np.linspace(-87.0, 0.0, 400_001), -np.logspace(-8, 0, 1000)]).astype(np.float32) + 3
+    got = x.copy()
+    fk.exp_shifted(got, np.float32(3.0), np.empty(len(x), np.int32))
+    want = np.exp((x - np.float32(3)).astype(np.float64))  # the float32 shift rounds first
+    assert np.max(np.abs(got - want) / want) < 2 * 2.0**-24
+    got = np.array([-1000.0, -np.inf], np.float32)  # far below the clamp: negligible, never NaN
+    fk.exp_shifted(got, np.float32(0.0), np.empty(2, np.int32))
+    assert np.all((got >= 0) & (got < 1e-37))
 
 
 @pytest.mark.parametrize("n", [1, 5])

@@ -215,6 +215,32 @@ def rope(x: np.ndarray, n_heads: int, head_dim: int, cos: np.ndarray, sin: np.nd
                 out[t, lo + half] = np.float32(x2 * c + x1 * s)
 
 
+_LOG2E, _LN2_HI, _LN2_LO = np.float32(1.44269504), np.float32(0.693359375), np.float32(-2.12194440e-4)
+_EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                          1.6666665459e-1, 5.0000001201e-1))
+
+
+@njit(fastmath={"contract"}, cache=True)  # FMAs, but no reassociation: it would undo ln2's split
+def exp_shifted(x: np.ndarray, top: np.float32, bits: np.ndarray) -> None:
+    """x[:] = exp(x - top) for x <= top, within 2 ulp, in loops LLVM vectorizes (numba's np.exp calls libm
+    once per value; this made decode attention 8-18 % faster at 160-2048 positions on AVX2).
+
+    exp(y) = 2^n exp(r) with Cephes expf's polynomial for exp(r), |r| <= ln2/2; 2^n is built in the
+    exponent bits of the scratch `bits`. y is clamped at -87, where exp is 1.6e-38: a weight that small
+    is lost in the softmax sum either way (and -inf gives 2^-126, not NaN)."""
+    c0, c1, c2, c3, c4, c5 = _EXP_POLY
+    for i in range(x.shape[0]):
+        y = max(x[i] - top, np.float32(-87.0))
+        n = np.floor(y * _LOG2E + np.float32(0.5))
+        r = y - n * _LN2_HI - n * _LN2_LO
+        p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
+        x[i] = p * r * r + r + np.float32(1.0)
+        bits[i] = (np.int32(n) + 127) << 23
+    scale = bits.view(np.float32)
+    for i in range(x.shape[0]):
+        x[i] *= scale[i]
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
               positions: np.ndarray, n_heads: int, out: np.ndarray) -> None:
@@ -244,7 +270,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
         for g in range(group):
             for d in range(hd):
                 qg[g, d] = q[t, (kv * group + g) * hd + d] * scale
-        scores = np.empty((group, total), np.float32)
+        scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
         for p in range(total):
             krow = ks[p]
             for g in range(group):
@@ -257,11 +283,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
             top = np.float32(-np.inf)
             for p in range(total):
                 top = max(top, scores[g, p])
+            exp_shifted(scores[g], top, bits)
             den = 0.0
             for p in range(total):
-                e = np.exp(scores[g, p] - top)
-                scores[g, p] = e
-                den += e
+                den += scores[g, p]
             inv[g] = np.float32(1.0 / den)
         o = np.zeros((group, hd), np.float32)
         # Four positions per pass over o: its loads and stores, not the multiplies, had bounded the loop.
