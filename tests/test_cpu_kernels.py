@@ -366,12 +366,16 @@ def rows_at(slot: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.full(n, slot, np.int32), np.arange(start, start + n, dtype=np.int32)
 
 
-def test_attention_prefill_then_decode(cpu_float: CpuProvider) -> None:
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_attention_prefill_then_decode(cpu_float: CpuProvider, kv_type: str) -> None:
     # Two sequences: slot 0 prefills and decodes alone, then slot 1 prefills in one batch beside
-    # slot 0's next token; each reads only its own slot.
+    # slot 0's next token; each reads only its own slot. Both caches hold the same bits (F16: rounded to
+    # nearest even alike), so the results differ only by the float sums' order.
     rng = np.random.default_rng(4)
     heads, kv_heads, hd = 8, 2, 64
-    caches = cpu_float.kv_cache(2, 40, kv_heads, hd, n_seqs=2), REF.kv_cache(2, 40, kv_heads, hd, n_seqs=2)
+    caches = (cpu_float.kv_cache(2, 40, kv_heads, hd, n_seqs=2, kv_type=kv_type),
+              REF.kv_cache(2, 40, kv_heads, hd, n_seqs=2, kv_type=kv_type))
+    assert caches[0].k.dtype == caches[1].k.dtype == (np.float16 if kv_type == "f16" else np.float32)
     batches = [rows_at(0, 0, 7), rows_at(0, 7, 1), rows_at(0, 8, 1),
                tuple(np.concatenate(p) for p in zip(rows_at(0, 9, 1), rows_at(1, 0, 29), strict=True))]
     for slots, positions in batches:
@@ -382,6 +386,8 @@ def test_attention_prefill_then_decode(cpu_float: CpuProvider) -> None:
         got = cpu_float.attention(q, k, v, caches[0], 1, slots, positions, heads, kv_heads, hd)
         want = REF.attention(q, k, v, caches[1], 1, slots, positions, heads, kv_heads, hd)
         assert rel_err(got, want) < 1e-5, (slots, positions)
+        for mine, theirs in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+            np.testing.assert_array_equal(mine.view(np.uint8), theirs.view(np.uint8))
 
 
 def test_softmax_exp_is_within_two_ulp() -> None:

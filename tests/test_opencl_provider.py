@@ -486,3 +486,10 @@ def test_source_takes_a_third_partys_header(tmp_path):
     assert kernels_src.source("#define KERNEL kernel void\n") == from_path.replace("vendor_metal.h", "vendor header")
     with pytest.raises(ValueError, match="vendor 'metal'"):
         kernels_src.source("metal")
+
+
+def test_an_f16_kv_cache_is_refused_in_one_line(ocl):
+    # The GPU attention kernels read float32: kv_type f16 is a UsageError (exit 2), not a wrong result.
+    with pytest.raises(UsageError, match="keeps its KV cache in f32 only"):
+        ocl.kv_cache(1, 4, 1, 16, kv_type="f16")
+    assert ocl.kv_cache(1, 4, 1, 16, kv_type="f32").k.shape == (1, 1, 1, 4, 16)

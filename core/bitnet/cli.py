@@ -158,7 +158,10 @@ _quant_options = _options(
     _act_quant_option,
     click.option("--lm-head", type=click.Choice(["f16", "q8", "auto"]), default="auto", show_default=True,
                  help="LM head: the file's float table (f16), an int8 copy built at load (q8: half the bytes "
-                      "per token, slightly less accurate), or auto (q8 if the file stores it quantized, else f16)."))
+                      "per token, slightly less accurate), or auto (q8 if the file stores it quantized, else f16)."),
+    click.option("--kv-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+                 help="What the KV cache stores: float32, or f16 (llama.cpp's default: half the memory, faster "
+                      "attention over long contexts; K and V rounded to F16)."))
 _context_options = _options(
     click.option("--n-ctx", type=click.IntRange(min=1), default=None,
                  help="Context length (default: the model's, at most 4096)."),
@@ -200,7 +203,7 @@ def _extra_sampling(engine: Any, min_p: float, repeat_penalty: float, presence_p
 def chat(ctx: click.Context, model: str | None, system: str | None, chat_template: str | None, max_tokens: int,
          temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, presence_penalty: float,
          frequency_penalty: float, ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str,
-         lm_head: str, verbose: bool) -> None:
+         lm_head: str, kv_type: str, verbose: bool) -> None:
     """Chat with a model: replies stream; the KV cache carries over between turns.
 
     On a terminal: /clear, /system TEXT, /exit (or Ctrl-D); Ctrl-C stops the reply being written.
@@ -212,7 +215,7 @@ def chat(ctx: click.Context, model: str | None, system: str | None, chat_templat
 
     with _load_progress() as progress:
         engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant, progress=progress,
-                      chat_template=chat_template, lm_head=lm_head)
+                      chat_template=chat_template, lm_head=lm_head, kv_type=kv_type)
     with engine:
         click.echo(engine.summary, err=True)
         if engine.chat_template.note or verbose:
@@ -237,7 +240,7 @@ def chat(ctx: click.Context, model: str | None, system: str | None, chat_templat
 @click.pass_context
 def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, temperature: float, top_k: int,
         top_p: float, min_p: float, repeat_penalty: float, presence_penalty: float, frequency_penalty: float,
-        ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str, lm_head: str,
+        ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str, lm_head: str, kv_type: str,
         stop: tuple[str, ...], receipt: str | None) -> None:
     """Generate text: it streams to stdout; selection and timings go to stderr."""
     try:
@@ -253,7 +256,7 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
     try:
         with _load_progress() as progress:
             engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant,
-                          progress=progress, lm_head=lm_head)
+                          progress=progress, lm_head=lm_head, kv_type=kv_type)
     except NoBackendError as exc:
         if receipt:  # a fake device is selected but cannot run: its receipt says compute_path fake
             _write_fake_receipt(receipt, ctx.obj["device"], str(exc), sampling, act_quant, n_ctx)
@@ -290,7 +293,7 @@ def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, tem
 @_context_options
 @click.pass_context
 def perplexity(ctx: click.Context, model: str | None, text_file: Any, window: int | None, n_ctx: int | None,
-               act_quant: str, lm_head: str) -> None:
+               act_quant: str, lm_head: str, kv_type: str) -> None:
     """Perplexity of a UTF-8 text file ('-': stdin) under the model, as llama-perplexity measures it."""
     from bitnet.runtime.engine import load
     from bitnet.tools.perplexity import text_perplexity
@@ -301,7 +304,7 @@ def perplexity(ctx: click.Context, model: str | None, text_file: Any, window: in
         raise UsageError(f"{text_file.name} is not UTF-8 text") from None
     with _load_progress() as progress:
         engine = load(model, device=ctx.obj["device"], n_ctx=n_ctx, act_quant=act_quant, lm_head=lm_head,
-                      progress=progress)
+                      kv_type=kv_type, progress=progress)
     with engine:
         click.echo(engine.summary, err=True)
         click.echo(text_perplexity(engine, text, window))
@@ -406,8 +409,8 @@ def _names(values: tuple[str, ...] | str | None) -> list[str]:
 @click.pass_context
 def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: tuple[str, ...],
           max_tokens: int, repetitions: int, warmup: int, temperature: float, top_k: int, top_p: float,
-          seed: int | None, act_quant: str, lm_head: str, determinism: bool, min_decode_tps: float | None,
-          max_wall_ms: float | None, require: tuple[str, ...], out: str | None,
+          seed: int | None, act_quant: str, lm_head: str, kv_type: str, determinism: bool,
+          min_decode_tps: float | None, max_wall_ms: float | None, require: tuple[str, ...], out: str | None,
           receipts_dir: str | None) -> None:
     """Measure fixed prompts on each backend: a table on stdout; gates exit 5, a missing --require 3."""
     from bitnet.runtime.sampling import check_params
@@ -417,8 +420,8 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
     config = harness.BenchConfig(
         requests=_names(devices or ctx.obj["device"]) or None, model=model, max_tokens=max_tokens,
         repetitions=repetitions, warmup=warmup, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        act_quant=act_quant, lm_head=lm_head, determinism=determinism, receipts_dir=receipts_dir,
-        required=_names(require), prompts=prompts or harness.PROMPTS)
+        act_quant=act_quant, lm_head=lm_head, kv_type=kv_type, determinism=determinism,
+        receipts_dir=receipts_dir, required=_names(require), prompts=prompts or harness.PROMPTS)
     report = harness.run(config, log=lambda line: click.echo(line, err=True))
     click.echo(harness.table(report))
     if out:
@@ -458,7 +461,7 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
 @click.pass_context
 def serve(ctx: click.Context, model: str | None, host: str, port: int, parallel: int, n_ctx: int | None,
           max_queue: int, api_key: str | None, model_alias: str | None, chat_template: str | None,
-          act_quant: str, lm_head: str, shutdown_timeout: float) -> None:
+          act_quant: str, lm_head: str, kv_type: str, shutdown_timeout: float) -> None:
     """Serve the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from bitnet.server import missing_server_modules
 
@@ -471,7 +474,7 @@ def serve(ctx: click.Context, model: str | None, host: str, port: int, parallel:
     settings = server_app.Settings(
         model=model, device=ctx.obj["device"], n_ctx=n_ctx, parallel=parallel, max_queue=max_queue,
         api_key=api_key or None, model_alias=model_alias, chat_template=chat_template, act_quant=act_quant,
-        lm_head=lm_head, shutdown_timeout=shutdown_timeout, debug=ctx.obj["debug"])
+        lm_head=lm_head, kv_type=kv_type, shutdown_timeout=shutdown_timeout, debug=ctx.obj["debug"])
     server_app.run(settings, host, port)
 
 

@@ -397,7 +397,11 @@ class GpuProvider(KernelProvider):
         return t
 
     @op
-    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> KVCache:
+    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,
+                 kv_type: str = "f32") -> KVCache:
+        if kv_type != "f32":
+            raise UsageError(f"the {self.backend} backend keeps its KV cache in f32 only (its attention kernels "
+                             f"read float32): kv_type {kv_type!r} runs on cpu")
         shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
         what = f"of {n_ctx} positions" + (f" x {n_seqs} sequences" if n_seqs > 1 else "")
         k, v = self._resident((shape, np.float32, f"KV cache K {what}", None),

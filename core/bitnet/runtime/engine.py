@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.runtime.provider import ACT_QUANT_MODES, LM_HEADS
+from bitnet.runtime.provider import ACT_QUANT_MODES, LM_HEADS, check_kv_type
 from bitnet.runtime.sampling import Sampler, check_logit_bias
 
 SAMPLING_OPTIONS = frozenset({"min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n",
@@ -61,7 +61,7 @@ class Stats:
 
 def load(path: str | os.PathLike[str] | None = None, device: str | None = None, n_ctx: int | None = None,
          act_quant: str = "row", progress: Callable[[int, int], None] | None = None,
-         chat_template: str | None = None, n_seqs: int = 1, lm_head: str = "auto") -> Engine:
+         chat_template: str | None = None, n_seqs: int = 1, lm_head: str = "auto", kv_type: str = "f32") -> Engine:
     """Select a device (docs/design.md section 3), load the GGUF model onto it, return an Engine.
 
     path None is the embedded default model: a small BitNet b1.58 trained on Shakespeare's plays
@@ -73,6 +73,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     n_seqs is how many sequences can run at once (generate_batch, Scheduler), each with n_ctx positions.
     lm_head is "f16" (the file's float LM-head table as it is), "q8" (an int8 copy built at load: half
     the bytes per token, a little accuracy) or "auto": q8 when the file stores the head quantized, else f16.
+    kv_type is what the KV cache stores: "f32", or "f16" (llama.cpp's default: half the memory, and faster
+    attention over long contexts, for a rounding of K and V to F16).
     """
     from bitnet.modelfile.model import load_model, map_pages
     from bitnet.plugins.selection import select
@@ -90,6 +92,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
                          f"{', '.join(ACT_QUANT_MODES)}")
     if lm_head not in LM_HEADS:
         raise UsageError(f"unknown LM head {lm_head!r}; expected one of {', '.join(LM_HEADS)}")
+    check_kv_type(kv_type)
     if n_ctx is not None and n_ctx < 1:
         raise UsageError(f"n_ctx must be at least 1, got {n_ctx}")
     if isinstance(n_seqs, bool) or not isinstance(n_seqs, int) or n_seqs < 1:
@@ -107,12 +110,12 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
         tokenizer = Tokenizer.from_metadata(model.metadata)
         if n_ctx is None:
             n_ctx = min(model.config.n_ctx_train or DEFAULT_MAX_CTX, DEFAULT_MAX_CTX)
-        check_kv_fits(model.config, n_ctx, *kv_home(provider, selection.device), n_seqs=n_seqs)
+        check_kv_fits(model.config, n_ctx, *kv_home(provider, selection.device), n_seqs=n_seqs, kv_type=kv_type)
         template = templates.choose(model.metadata, tokenizer.has_token, chat_template)
         # Joined before the weights are placed: they read the pages, and the int8 head's build releases the
         # float table's behind it, which the thread must not fault back in.
         pages.join()
-        transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs, head)
+        transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs, head, kv_type)
     except BaseException:
         provider.close()
         raise
@@ -130,18 +133,20 @@ def choose_lm_head(lm_head: str, head_type: str) -> str:
     return "f16" if head_type in ("F16", "F32", "BF16") else "q8"
 
 
-def kv_cache_bytes(config: ModelConfig, n_ctx: int, n_seqs: int = 1) -> int:
-    """Bytes of the K and V cache (float32) for n_seqs sequences of n_ctx positions."""
-    return 2 * 4 * config.n_layers * n_ctx * config.n_kv_heads * config.head_dim * n_seqs
+def kv_cache_bytes(config: ModelConfig, n_ctx: int, n_seqs: int = 1, kv_type: str = "f32") -> int:
+    """Bytes of the K and V cache for n_seqs sequences of n_ctx positions."""
+    size = 2 if kv_type == "f16" else 4
+    return 2 * size * config.n_layers * n_ctx * config.n_kv_heads * config.head_dim * n_seqs
 
 
-def check_kv_fits(config: ModelConfig, n_ctx: int, memory_bytes: int | None, where: str, n_seqs: int = 1) -> None:
+def check_kv_fits(config: ModelConfig, n_ctx: int, memory_bytes: int | None, where: str, n_seqs: int = 1,
+                  kv_type: str = "f32") -> None:
     """A usage error, before anything is allocated, when the KV cache alone exceeds the memory it goes to."""
-    need = kv_cache_bytes(config, n_ctx, n_seqs)
+    need = kv_cache_bytes(config, n_ctx, n_seqs, kv_type)
     if memory_bytes and need > memory_bytes:
         seqs = f" x {n_seqs} sequences" if n_seqs > 1 else ""
         raise UsageError(f"n_ctx={n_ctx}{seqs} needs a {need / 2**30:.1f} GiB KV cache ({config.n_layers} layers x "
-                         f"{config.n_kv_heads} KV heads x {config.head_dim} x K,V float32), more than the "
+                         f"{config.n_kv_heads} KV heads x {config.head_dim} x K,V {kv_type}), more than the "
                          f"{memory_bytes / 2**30:.1f} GiB of {where}")
 
 

@@ -15,12 +15,13 @@ a device.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from bitnet.errors import NoBackendError
+from bitnet.errors import NoBackendError, UsageError
 from bitnet.plugins.registry import env_flag
 from bitnet.runtime.provider import OPERATIONS, KernelProvider, native_operations
 from bitnet.runtime.reference import ReferenceProvider
@@ -63,10 +64,15 @@ def place_weight(provider: KernelProvider, op: str, a: np.ndarray) -> Any:
 
 
 def kv_cache_for(provider: KernelProvider, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int,
-                 n_seqs: int = 1) -> Any:
+                 n_seqs: int = 1, kv_type: str = "f32") -> Any:
     """The KV cache, allocated by the side that runs attention."""
     owner = provider if "attention" in native_operations(provider) else host_reference(provider)
-    return owner.kv_cache(n_layers, n_ctx, n_kv_heads, head_dim, n_seqs)
+    if kv_type == "f32":
+        return owner.kv_cache(n_layers, n_ctx, n_kv_heads, head_dim, n_seqs)
+    if "kv_type" not in inspect.signature(owner.kv_cache).parameters:  # written before kv_type existed
+        raise UsageError(f"the {provider.backend} backend keeps its KV cache in f32 only: kv_type {kv_type!r} "
+                         "is not available there")
+    return owner.kv_cache(n_layers, n_ctx, n_kv_heads, head_dim, n_seqs, kv_type=kv_type)
 
 
 def refuse_in_strict_mode(backend: str, ops: Sequence[str], reason: str) -> None:

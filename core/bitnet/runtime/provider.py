@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from bitnet.errors import UsageError
 from bitnet.modelfile.ternary import TernaryMatrix
 
 ACT_QUANT_MODES = ("row", "block256", "none")
@@ -38,6 +39,13 @@ OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "
               "lm_head_q8", "argmax")
 # The LM head a model runs with (docs/design.md section 4): its float table, or an int8 copy ("auto" picks).
 LM_HEADS = ("f16", "q8", "auto")
+# What the KV cache stores (docs/design.md section 4): float32, or F16 as llama.cpp keeps it by default.
+KV_TYPES = ("f32", "f16")
+
+
+def check_kv_type(kv_type: str) -> None:
+    if kv_type not in KV_TYPES:
+        raise UsageError(f"unknown KV cache type {kv_type!r}; expected one of {', '.join(KV_TYPES)}")
 
 
 class KernelProvider(ABC):
@@ -86,13 +94,17 @@ class KernelProvider(ABC):
 
         return q8_cache.table(np.asarray(table), q8_table)
 
-    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> Any:
+    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,
+                 kv_type: str = "f32") -> Any:
         """Allocate the K and V cache of every layer for n_seqs sequence slots of n_ctx positions each
-        (used only if this provider runs attention)."""
+        (used only if this provider runs attention). kv_type "f16" stores K and V rounded to F16 (to
+        nearest even) and attention reads them back as they were stored; a provider that cannot says so
+        with a UsageError, and one whose kv_cache has no kv_type parameter is taken to offer only f32."""
         from bitnet.runtime.reference import KVCache
 
         shape = (n_layers, n_seqs, n_ctx, n_kv_heads, head_dim)
-        return KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        dtype = np.float16 if kv_type == "f16" else np.float32
+        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype))
 
     def to_host(self, x: Any) -> np.ndarray:
         """Copy an activation back as float32 [n, width], after the work that writes it."""

@@ -21,7 +21,8 @@ from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
 
 @dataclass
 class KVCache:
-    """K and V of every layer and sequence slot: float32 [n_layers, n_seqs, n_ctx, n_kv_heads, head_dim] each."""
+    """K and V of every layer and sequence slot: [n_layers, n_seqs, n_ctx, n_kv_heads, head_dim] each, float32
+    or float16 (a kv_type "f16" cache: stores round to it)."""
 
     k: np.ndarray
     v: np.ndarray

@@ -10,7 +10,14 @@ import numpy as np
 from bitnet.errors import ModelError, UsageError
 from bitnet.modelfile.ternary import TernaryMatrix
 from bitnet.runtime.fallback import kv_cache_for, place_weight, refuse_partial_in_strict_mode
-from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, OPERATIONS, KernelProvider, native_operations
+from bitnet.runtime.provider import (
+    ACT_QUANT_MODES,
+    ACTIVATIONS,
+    OPERATIONS,
+    KernelProvider,
+    check_kv_type,
+    native_operations,
+)
 
 if TYPE_CHECKING:
     from bitnet.modelfile.model import Model
@@ -40,10 +47,12 @@ class Transformer:
     """
 
     def __init__(self, model: Model, provider: KernelProvider, n_ctx: int, act_quant: str, n_seqs: int = 1,
-                 lm_head: str = "f16") -> None:
-        """lm_head "f16" runs the model's float LM-head table as it is, "q8" an int8 copy built here."""
+                 lm_head: str = "f16", kv_type: str = "f32") -> None:
+        """lm_head "f16" runs the model's float LM-head table as it is, "q8" an int8 copy built here.
+        kv_type "f32" or "f16": what the KV cache stores."""
         if lm_head not in ("f16", "q8"):
             raise UsageError(f"unknown LM head {lm_head!r}; expected f16 or q8")
+        check_kv_type(kv_type)
         if act_quant not in ACT_QUANT_MODES:
             raise UsageError(f"unknown activation quantization {act_quant!r}; expected one of "
                              f"{', '.join(ACT_QUANT_MODES)}")
@@ -82,7 +91,7 @@ class Transformer:
                              if f.name in groups else upload(getattr(lw, f.name)) for f in fields(_Layer)})
 
         self.layers = [layer(lw) for lw in model.layers]
-        self.cache = kv_cache_for(p, cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, n_seqs)
+        self.cache = kv_cache_for(p, cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, n_seqs, kv_type)
         self.n_seqs = n_seqs
         self.filled = np.zeros(n_seqs, np.int64)  # positions 0..filled[s]-1 of slot s hold valid K and V
 

@@ -55,6 +55,7 @@ class Settings:
     chat_template: str | None = None
     act_quant: str = "row"
     lm_head: str = "auto"
+    kv_type: str = "f32"
     max_body_bytes: int = 1 << 20
     shutdown_timeout: float = 10.0
     debug: bool = False
@@ -112,7 +113,7 @@ class ModelHost:
         s = self.settings
         try:
             engine = load(s.model, device=s.device, n_ctx=s.n_ctx, act_quant=s.act_quant,
-                          chat_template=s.chat_template, n_seqs=s.parallel, lm_head=s.lm_head)
+                          chat_template=s.chat_template, n_seqs=s.parallel, lm_head=s.lm_head, kv_type=s.kv_type)
             scheduler = engine.scheduler(n_slots=s.parallel, max_queue=s.max_queue)
             # One token through the scheduler before /health says ready: a backend that compiles its kernels
             # on first use does it now, not in the first client's time to first token.

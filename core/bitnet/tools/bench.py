@@ -94,6 +94,7 @@ class BenchConfig:
     seed: int | None = None
     act_quant: str = "row"
     lm_head: str = "auto"
+    kv_type: str = "f32"
     determinism: bool = False
     receipts_dir: str | None = None
     required: Sequence[str] = ()  # backends that must run; benchmarked even when not requested
@@ -141,7 +142,8 @@ def _bench_backend(request: str, config: BenchConfig, seen: set[str],
 
     result = BackendResult(request)
     try:
-        engine = load(config.model, device=request, act_quant=config.act_quant, lm_head=config.lm_head)
+        engine = load(config.model, device=request, act_quant=config.act_quant, lm_head=config.lm_head,
+                      kv_type=config.kv_type)
     except NoBackendError as exc:
         result.skipped = str(exc)
         log(f"{request}: skipped: {exc}")

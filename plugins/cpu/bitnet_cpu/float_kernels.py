@@ -18,16 +18,55 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @intrinsic
-def _half_to_float(typingctx: Any, bits: Any) -> Any:
-    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+def _as_float(typingctx: Any, x: Any) -> Any:
+    """float32 of a stored value: F16 bits (uint16: numba has no float16 arrays) converted, float32 as it is."""
+    if x == types.uint16:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    elif x == types.float32:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            return args[0]
+    else:
+        return None
+    return types.float32(x), codegen
 
-    return types.float32(types.uint16), codegen
 
+@intrinsic
+def _stored_as(typingctx: Any, x: Any, like: Any) -> Any:
+    """float32 x as a value of like's type: F16 bits rounded to nearest even (as NumPy's astype), or float32."""
+    if like == types.uint16:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    elif like == types.float32:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            return args[0]
+    else:
+        return None
+    return like(types.float32, like), codegen
+
+
+def _row(cached: np.ndarray, p: int, buf: np.ndarray) -> np.ndarray:
+    """Row p of a cache as float32: itself (a float32 cache), or converted into buf (an F16 one)."""
+    raise NotImplementedError("compiled only: see _row_impl")
+
+
+@overload(_row, inline="always")
+def _row_impl(cached: Any, p: Any, buf: Any) -> Any:
+    # (numba wants each implementation's parameters, annotations included, to be the overload's)
+    if cached.dtype == types.uint16:
+        def convert(cached: Any, p: Any, buf: Any) -> Any:
+            for d in range(buf.shape[0]):
+                buf[d] = _as_float(cached[p, d])
+            return buf
+        return convert
+
+    def view(cached: Any, p: Any, buf: Any) -> Any:
+        return cached[p]
+    return view
 
 @intrinsic
 def prefetch(typingctx: Any, addr: Any) -> Any:
@@ -64,7 +103,7 @@ def lm_head_f16(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.nd
             _prefetch_row(table, r + 1)
             acc = np.float32(0.0)
             for i in range(dim):
-                acc += _half_to_float(table[r, i]) * x[0, i]
+                acc += _as_float(table[r, i]) * x[0, i]
             out[0, r] = acc
 
 
@@ -78,7 +117,7 @@ def lm_head_f16_batch(x: np.ndarray, table: np.ndarray, rows_per_task: int, out:
         for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
             _prefetch_row(table, r + 1)
             for i in range(dim):
-                row[i] = _half_to_float(table[r, i])
+                row[i] = _as_float(table[r, i])
             for t in range(n):
                 acc = np.float32(0.0)
                 for i in range(dim):
@@ -131,7 +170,7 @@ def q8_table_f16(table: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
         row = np.empty(dim, np.float32)
         for r in range(task * _Q8_ROWS, min(vocab, (task + 1) * _Q8_ROWS)):
             for i in range(dim):
-                row[i] = _half_to_float(table[r, i])
+                row[i] = _as_float(table[r, i])
             scale[r] = _q8_row(row, q[r])
 
 
@@ -245,13 +284,15 @@ def exp_shifted(x: np.ndarray, top: np.float32, bits: np.ndarray) -> None:
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
               positions: np.ndarray, n_heads: int, out: np.ndarray) -> None:
     """Store row t's k, v [n, n_kv*hd] at positions[t] of slot slots[t] of the cache keys/values
-    [n_seqs, n_kv, n_ctx, hd]; then causal grouped-query attention of q [n, n_heads*hd] over it.
+    [n_seqs, n_kv, n_ctx, hd] (float32, or F16 bits as uint16); then causal grouped-query attention of
+    q [n, n_heads*hd] over it.
 
     Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
     h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. A task is a
     row and a KV head with the query heads that share it: each cached key and value is read once
     for all of them (from memory, once the context outgrows the caches), not once per head. A
-    row's result never depends on the rows beside it.
+    row's result never depends on the rows beside it. An F16 cache's rows are converted to float32
+    once, into a buffer that every query head of the task reads.
     """
     n = q.shape[0]
     n_kv, hd = keys.shape[1], keys.shape[3]
@@ -260,8 +301,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     for t in range(n):
         for h in range(n_kv):
             for d in range(hd):
-                keys[slots[t], h, positions[t], d] = k[t, h * hd + d]
-                values[slots[t], h, positions[t], d] = v[t, h * hd + d]
+                keys[slots[t], h, positions[t], d] = _stored_as(k[t, h * hd + d], keys[0, 0, 0, 0])
+                values[slots[t], h, positions[t], d] = _stored_as(v[t, h * hd + d], keys[0, 0, 0, 0])
     for task in prange(n_kv * n):
         kv, t = task // n, task % n
         slot, total = slots[t], positions[t] + 1
@@ -271,8 +312,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
             for d in range(hd):
                 qg[g, d] = q[t, (kv * group + g) * hd + d] * scale
         scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
+        buf = np.empty((4, hd), np.float32)
         for p in range(total):
-            krow = ks[p]
+            krow = _row(ks, p, buf[0])
             for g in range(group):
                 acc = np.float32(0.0)
                 for d in range(hd):
@@ -292,13 +334,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
         # Four positions per pass over o: its loads and stores, not the multiplies, had bounded the loop.
         whole = total - total % 4
         for p in range(0, whole, 4):
-            v0, v1, v2, v3 = vs[p], vs[p + 1], vs[p + 2], vs[p + 3]
+            v0, v1 = _row(vs, p, buf[0]), _row(vs, p + 1, buf[1])
+            v2, v3 = _row(vs, p + 2, buf[2]), _row(vs, p + 3, buf[3])
             for g in range(group):
                 w0, w1, w2, w3 = scores[g, p], scores[g, p + 1], scores[g, p + 2], scores[g, p + 3]
                 for d in range(hd):
                     o[g, d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
         for p in range(whole, total):
-            vrow = vs[p]
+            vrow = _row(vs, p, buf[0])
             for g in range(group):
                 w = scores[g, p]
                 for d in range(hd):

@@ -117,8 +117,9 @@ def permute_cols(x: np.ndarray, fields_reversed: bool = False) -> np.ndarray:
 
 def _head_major(kv: np.ndarray) -> np.ndarray:
     """A layer of the cache [n_seqs, n_ctx, n_kv_heads, head_dim] as its memory holds it, [n_seqs, n_kv_heads, n_ctx,
-    head_dim], C-contiguous (so numba vectorizes along head_dim)."""
-    return kv.transpose(0, 2, 1, 3)
+    head_dim], C-contiguous (so numba vectorizes along head_dim); an F16 cache as its bits (uint16)."""
+    kv = kv.transpose(0, 2, 1, 3)
+    return kv.view(np.uint16) if kv.dtype == np.float16 else kv
 
 
 def _bounded_openmp_spinning() -> None:
@@ -270,10 +271,12 @@ class CpuProvider(ReferenceProvider):
         fk.attention(q, k, v, _head_major(cache.k[layer]), _head_major(cache.v[layer]), slots, positions, n_heads, out)
         return out
 
-    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1) -> Any:
+    def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,
+                 kv_type: str = "f32") -> Any:
         """The reference's cache, each KV head's positions contiguous in memory: attention streams them."""
         shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
-        return KVCache(*(np.zeros(shape, np.float32).transpose(0, 1, 3, 2, 4) for _ in "kv"))
+        dtype = np.float16 if kv_type == "f16" else np.float32
+        return KVCache(*(np.zeros(shape, dtype).transpose(0, 1, 3, 2, 4) for _ in "kv"))
 
     def act_mul(self, gate: Any, up: Any, act: str) -> Any:
         if act not in ACTIVATIONS:
