@@ -17,6 +17,7 @@ import pytest
 
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
+from bitnet.runtime.provider import KV_DTYPES
 from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
 from bitnet_cpu import dot_ir, isa
 from bitnet_cpu import float_kernels as fk
@@ -375,7 +376,7 @@ def test_attention_prefill_then_decode(cpu_float: CpuProvider, kv_type: str) -> 
     heads, kv_heads, hd = 8, 2, 64
     caches = (cpu_float.kv_cache(2, 40, kv_heads, hd, n_seqs=2, kv_type=kv_type),
               REF.kv_cache(2, 40, kv_heads, hd, n_seqs=2, kv_type=kv_type))
-    assert caches[0].k.dtype == caches[1].k.dtype == (np.float16 if kv_type == "f16" else np.float32)
+    assert caches[0].k.dtype == caches[1].k.dtype == KV_DTYPES[kv_type]
     batches = [rows_at(0, 0, 7), rows_at(0, 7, 1), rows_at(0, 8, 1),
                tuple(np.concatenate(p) for p in zip(rows_at(0, 9, 1), rows_at(1, 0, 29), strict=True))]
     for slots, positions in batches:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.runtime.provider import ACT_QUANT_MODES, LM_HEADS, check_kv_type
+from bitnet.runtime.provider import ACT_QUANT_MODES, KV_DTYPES, LM_HEADS, check_kv_type
 from bitnet.runtime.sampling import Sampler, check_logit_bias
 
 SAMPLING_OPTIONS = frozenset({"min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n",
@@ -135,8 +135,7 @@ def choose_lm_head(lm_head: str, head_type: str) -> str:
 
 def kv_cache_bytes(config: ModelConfig, n_ctx: int, n_seqs: int = 1, kv_type: str = "f32") -> int:
     """Bytes of the K and V cache for n_seqs sequences of n_ctx positions."""
-    size = 2 if kv_type == "f16" else 4
-    return 2 * size * config.n_layers * n_ctx * config.n_kv_heads * config.head_dim * n_seqs
+    return 2 * KV_DTYPES[kv_type].itemsize * config.n_layers * n_ctx * config.n_kv_heads * config.head_dim * n_seqs
 
 
 def check_kv_fits(config: ModelConfig, n_ctx: int, memory_bytes: int | None, where: str, n_seqs: int = 1,

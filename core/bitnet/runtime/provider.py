@@ -40,12 +40,12 @@ OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "
 # The LM head a model runs with (docs/design.md section 4): its float table, or an int8 copy ("auto" picks).
 LM_HEADS = ("f16", "q8", "auto")
 # What the KV cache stores (docs/design.md section 4): float32, or F16 as llama.cpp keeps it by default.
-KV_TYPES = ("f32", "f16")
+KV_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
 
 
 def check_kv_type(kv_type: str) -> None:
-    if kv_type not in KV_TYPES:
-        raise UsageError(f"unknown KV cache type {kv_type!r}; expected one of {', '.join(KV_TYPES)}")
+    if kv_type not in KV_DTYPES:
+        raise UsageError(f"unknown KV cache type {kv_type!r}; expected one of {', '.join(KV_DTYPES)}")
 
 
 class KernelProvider(ABC):
@@ -103,8 +103,7 @@ class KernelProvider(ABC):
         from bitnet.runtime.reference import KVCache
 
         shape = (n_layers, n_seqs, n_ctx, n_kv_heads, head_dim)
-        dtype = np.float16 if kv_type == "f16" else np.float32
-        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype))
+        return KVCache(np.zeros(shape, KV_DTYPES[kv_type]), np.zeros(shape, KV_DTYPES[kv_type]))
 
     def to_host(self, x: Any) -> np.ndarray:
         """Copy an activation back as float32 [n, width], after the work that writes it."""

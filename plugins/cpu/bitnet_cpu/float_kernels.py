@@ -302,7 +302,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
         for h in range(n_kv):
             for d in range(hd):
                 keys[slots[t], h, positions[t], d] = _stored_as(k[t, h * hd + d], keys[0, 0, 0, 0])
-                values[slots[t], h, positions[t], d] = _stored_as(v[t, h * hd + d], keys[0, 0, 0, 0])
+                values[slots[t], h, positions[t], d] = _stored_as(v[t, h * hd + d], values[0, 0, 0, 0])
     for task in prange(n_kv * n):
         kv, t = task // n, task % n
         slot, total = slots[t], positions[t] + 1

@@ -23,7 +23,7 @@ from bitnet.errors import UsageError
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime import q8_cache
-from bitnet.runtime.provider import ACTIVATIONS
+from bitnet.runtime.provider import ACTIVATIONS, KV_DTYPES
 from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots, quantize_rows
 
 from . import float_kernels as fk
@@ -275,8 +275,7 @@ class CpuProvider(ReferenceProvider):
                  kv_type: str = "f32") -> Any:
         """The reference's cache, each KV head's positions contiguous in memory: attention streams them."""
         shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
-        dtype = np.float16 if kv_type == "f16" else np.float32
-        return KVCache(*(np.zeros(shape, dtype).transpose(0, 1, 3, 2, 4) for _ in "kv"))
+        return KVCache(*(np.zeros(shape, KV_DTYPES[kv_type]).transpose(0, 1, 3, 2, 4) for _ in "kv"))
 
     def act_mul(self, gate: Any, up: Any, act: str) -> Any:
         if act not in ACTIVATIONS:
