@@ -97,8 +97,8 @@ EXPECTED = set(kernels_src.kernel_names(kernels_src.source("cuda")))
 def test_expected_kernels_include_what_the_providers_launch():
     launched = {"ternary_matmul_i8", "ternary_matmul_f32", "quantize_i8", "lm_head_f16", "lm_head_bf16",
                 "lm_head_f32", "convert_table", "argmax_f32", "rmsnorm_f32", "rope_neox_f32", "kv_store_f32",
-                "attention_f32", "silu_mul_f32", "relu2_mul_f32", "add_f32", "embed_f16", "embed_f32",
-                "zero_extend_f32"}
+                "kv_store_f16", "attention_f32", "attention_f16", "silu_mul_f32", "relu2_mul_f32", "add_f32",
+                "embed_f16", "embed_f32", "zero_extend_f32"}
     assert EXPECTED == launched
 
 

@@ -77,6 +77,8 @@ def run_every_op(p, rng):
     k = p.rope(proj(kv_heads * head_dim), kv_heads, head_dim, positions, 1e4)
     v = proj(kv_heads * head_dim)
     a = p.attention(q, k, v, p.kv_cache(2, 16, kv_heads, head_dim, 3), 1, slots, positions, heads, kv_heads, head_dim)
+    p.attention(q, k, v, p.kv_cache(2, 16, kv_heads, head_dim, 3, kv_type="f16"), 1, slots, positions, heads,
+                kv_heads, head_dim)
     y = p.add(a, p.act_mul(a, a, "relu2"))
     y = p.act_mul(y, y, "silu")
     logits = p.lm_head(p.rows(y, np.array([0, 2], np.int32)), table)  # each sequence's last row

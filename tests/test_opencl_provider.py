@@ -221,12 +221,13 @@ def test_argmax_first_on_ties(ocl, ref):
 
 # -- attention -------------------------------------------------------------------------------------------
 # several chunks of head_dim positions; 100 is 1bitLLM 3B's head size, not a power of two
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("head_dim, prompt", [(16, 21), (128, 150), (100, 40)])
-def test_attention_gqa_prefill_then_decode(ocl, ref, head_dim, prompt):
+def test_attention_gqa_prefill_then_decode(ocl, ref, head_dim, prompt, kv_type):
     rng = np.random.default_rng(head_dim)
     n_heads, n_kv, n_layers, n_ctx = 8, 2, 2, prompt + 8
-    c_ocl = ocl.kv_cache(n_layers, n_ctx, n_kv, head_dim)
-    c_ref = ref.kv_cache(n_layers, n_ctx, n_kv, head_dim)
+    c_ocl = ocl.kv_cache(n_layers, n_ctx, n_kv, head_dim, kv_type=kv_type)
+    c_ref = ref.kv_cache(n_layers, n_ctx, n_kv, head_dim, kv_type=kv_type)
     pos0 = 0
     for n in (prompt, 1, 1, 1, 3):
         slots, positions = np.zeros(n, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
@@ -237,6 +238,17 @@ def test_attention_gqa_prefill_then_decode(ocl, ref, head_dim, prompt):
             got = ocl.to_host(ocl.attention(dq, dk, dv, c_ocl, layer, slots, positions, n_heads, n_kv, head_dim))
             assert_close(got, ref.attention(q, k, v, c_ref, layer, slots, positions, n_heads, n_kv, head_dim))
         pos0 += n
+    assert_same_cache(ocl, c_ocl, c_ref, {0: pos0})
+
+
+def assert_same_cache(p, cache, ref_cache, written: dict[int, int]) -> None:
+    """The device's cache holds the reference's values, bit for bit (F16: both round to nearest even),
+    at positions 0..written[slot]-1 of each slot; the reference lays a slot out position-major."""
+    assert cache.k.dtype == ref_cache.k.dtype
+    for mine, theirs in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        got, want = p.to_host(mine), theirs.transpose(0, 1, 3, 2, 4).astype(np.float32)
+        for slot, n in written.items():
+            np.testing.assert_array_equal(got[:, slot, :, :n], want[:, slot, :, :n])
 
 
 # Batches of rows from several sequences, as the scheduler makes them: (slot, first position, rows).
@@ -249,11 +261,12 @@ MIXED_STEPS = [
 ]
 
 
-def run_mixed_steps(p, ref, head_dim: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
-    """MIXED_STEPS through attention on `p` and on the reference, two layers each: (got, want) per call."""
+def run_mixed_steps(p, ref, kv_type: str = "f32") -> list[tuple[np.ndarray, np.ndarray]]:
+    """MIXED_STEPS through attention on `p` and on the reference, two layers each: (got, want) per call.
+    Then both caches hold the same values."""
     rng = np.random.default_rng(21)
-    n_heads, n_kv, n_layers, n_ctx, n_seqs = 4, 2, 2, 64, 3
-    c_p, c_ref = (x.kv_cache(n_layers, n_ctx, n_kv, head_dim, n_seqs) for x in (p, ref))
+    n_heads, n_kv, n_layers, n_ctx, n_seqs, head_dim = 4, 2, 2, 64, 3, 64
+    c_p, c_ref = (x.kv_cache(n_layers, n_ctx, n_kv, head_dim, n_seqs, kv_type=kv_type) for x in (p, ref))
     out = []
     for step in MIXED_STEPS:
         slots = np.concatenate([np.full(n, s, np.int32) for s, _, n in step])
@@ -264,13 +277,15 @@ def run_mixed_steps(p, ref, head_dim: int = 64) -> list[tuple[np.ndarray, np.nda
             dq, dk, dv = (p.upload_float(a) for a in (q, k, v))
             got = p.to_host(p.attention(dq, dk, dv, c_p, layer, slots, positions, n_heads, n_kv, head_dim))
             out.append((got, ref.attention(q, k, v, c_ref, layer, slots, positions, n_heads, n_kv, head_dim)))
+    assert_same_cache(p, c_p, c_ref, {0: 7, 1: 44, 2: 12})
     return out
 
 
-def test_attention_mixed_slots_and_positions(ocl, ref):
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_attention_mixed_slots_and_positions(ocl, ref, kv_type):
     """Each row reads its own slot's history up to its own position: prefill chunks beside decodes, slots
     at different lengths, a rewind."""
-    for got, want in run_mixed_steps(ocl, ref):
+    for got, want in run_mixed_steps(ocl, ref, kv_type):
         assert_close(got, want)
 
 
@@ -488,8 +503,16 @@ def test_source_takes_a_third_partys_header(tmp_path):
         kernels_src.source("metal")
 
 
-def test_an_f16_kv_cache_is_refused_in_one_line(ocl):
-    # The GPU attention kernels read float32: kv_type f16 is a UsageError (exit 2), not a wrong result.
-    with pytest.raises(UsageError, match="keeps its KV cache in f32 only"):
-        ocl.kv_cache(1, 4, 1, 16, kv_type="f16")
-    assert ocl.kv_cache(1, 4, 1, 16, kv_type="f32").k.shape == (1, 1, 1, 4, 16)
+def test_a_wrongly_rounded_f16_store_fails_the_cache_check(device, ref):
+    """The cache comparison can fail: an F16 store that truncates instead of rounding to nearest even
+    (on both the hardware and the portable path) leaves a cache that differs from the reference's."""
+    truncating = "#undef F32_TO_F16\n#define F32_TO_F16(f) ((uint)as_ushort(convert_half_rtz(f)))\n"
+    source = kernels_src.source(VENDOR_OPENCL + "\n" + truncating).replace(
+        "return sign | ((a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13);", "return sign | ((a - 0x38000000u) >> 13);")
+    assert source.count("0x38000000u") == 1
+    p = OpenCLProvider(device, source=source)
+    try:
+        with pytest.raises(AssertionError, match="not equal"):
+            run_mixed_steps(p, ref, "f16")
+    finally:
+        p.close()

@@ -527,10 +527,10 @@ def warmup(ctx: click.Context) -> None:
 
     done = [0]
 
-    def report(model: str, act_quant: str, lm_head: str, seconds: float) -> None:
+    def report(model: str, act_quant: str, lm_head: str, kv_type: str, seconds: float) -> None:
         done[0] += 1
-        click.echo(f"[{done[0]}/{len(CASES)}] {model}, act-quant {act_quant}, lm-head {lm_head}: {seconds:.1f} s",
-                   err=True)
+        click.echo(f"[{done[0]}/{len(CASES)}] {model}, act-quant {act_quant}, lm-head {lm_head}, kv-type {kv_type}: "
+                   f"{seconds:.1f} s", err=True)
 
     total = run_warmup(ctx.obj["device"], report)
     click.echo(f"warmup done in {total:.1f} s")

@@ -344,10 +344,17 @@ DEVICE float decode16(unsigned int h, int fmt)
     return fmt == FMT_F16 ? f16_to_f32(h) : AS_FLOAT(h << 16);
 }
 
-DEVICE float dense_weight(const GLOBAL unsigned short* RESTRICT w16, const GLOBAL float* RESTRICT w32, int fmt,
-                          size_t i)
+/* Element i of an array in format fmt: a16 holds F16/BF16 bits, a32 float32 (the other pointer is a dummy). */
+DEVICE float load_elem(const GLOBAL unsigned short* RESTRICT a16, const GLOBAL float* RESTRICT a32, int fmt, size_t i)
 {
-    return fmt == FMT_F32 ? w32[i] : decode16(w16[i], fmt);
+    return fmt == FMT_F32 ? a32[i] : decode16(a16[i], fmt);
+}
+
+/* v into element i of an array in format fmt, rounding to nearest even. */
+DEVICE void store_elem(GLOBAL unsigned short* RESTRICT a16, GLOBAL float* RESTRICT a32, int fmt, size_t i, float v)
+{
+    if (fmt == FMT_F32) a32[i] = v;
+    else a16[i] = (unsigned short)(fmt == FMT_F16 ? f32_to_f16(v) : f32_to_bf16(v));
 }
 
 /* Elements i..i+7 of the table, as float. `vec`: cols % 8 == 0, so they are 16-byte aligned and, with
@@ -370,7 +377,7 @@ DEVICE void load8_weights(float* w, const GLOBAL unsigned short* RESTRICT w16, c
         return;
     }
 #endif
-    for (int j = 0; j < 8; ++j) w[j] = dense_weight(w16, w32, fmt, i + j);
+    for (int j = 0; j < 8; ++j) w[j] = load_elem(w16, w32, fmt, i + j);
 }
 
 DEVICE void load8_f32(float* v, const GLOBAL float* RESTRICT x, int vec)
@@ -415,7 +422,7 @@ DEVICE void dense_tile(const GLOBAL unsigned short* RESTRICT w16, const GLOBAL f
     }
     for (int e = cols / 8 * 8 + lane; active && e < cols; e += lanes) {
         const size_t we = (size_t)row * cols + e;
-        const float w = dense_weight(w16, w32, fmt, we);
+        const float w = load_elem(w16, w32, fmt, we);
 #pragma unroll
         for (int t = 0; t < TILE_N; ++t)
             if (t < nt) acc[t] += w * x[(size_t)(tok0 + t) * cols + e];
@@ -449,11 +456,8 @@ KERNEL lm_head_f32(const GLOBAL float* RESTRICT w, const GLOBAL float* RESTRICT 
 KERNEL convert_table(const GLOBAL unsigned short* RESTRICT src16, const GLOBAL float* RESTRICT src32, int src_fmt,
                      GLOBAL unsigned short* RESTRICT dst16, GLOBAL float* RESTRICT dst32, int dst_fmt, U64 count)
 {
-    for (size_t i = (size_t)GLOBAL_X; i < count; i += (size_t)LSIZE * NUM_GROUPS_X) {
-        const float v = dense_weight(src16, src32, src_fmt, i);
-        if (dst_fmt == FMT_F32) dst32[i] = v;
-        else dst16[i] = (unsigned short)(dst_fmt == FMT_F16 ? f32_to_f16(v) : f32_to_bf16(v));
-    }
+    for (size_t i = (size_t)GLOBAL_X; i < count; i += (size_t)LSIZE * NUM_GROUPS_X)
+        store_elem(dst16, dst32, dst_fmt, i, load_elem(src16, src32, src_fmt, i));
 }
 
 /* Index of the largest value of each row (group = row), first on ties; NaN is skipped. */
@@ -536,18 +540,36 @@ DEVICE size_t kv_head_base(int layer, int slot, int kv_head, int n_seqs, int n_k
     return (((size_t)layer * n_seqs + slot) * n_kv_heads + kv_head) * n_ctx * head_dim;
 }
 
-/* Row i's K and V into slot slots[i] at position positions[i] (group y = row). */
-KERNEL kv_store_f32(const GLOBAL float* RESTRICT k, const GLOBAL float* RESTRICT v, GLOBAL float* RESTRICT kc,
-                    GLOBAL float* RESTRICT vc, const GLOBAL int* RESTRICT slots,
-                    const GLOBAL int* RESTRICT positions, int layer, int n_seqs, int n_kv_heads, int head_dim,
-                    int n_ctx)
+/* Row i's K and V into slot slots[i] at position positions[i] (group y = row), in the cache's format
+ * (F32 or F16; the pointers of the other format are dummies). */
+DEVICE void kv_store(const GLOBAL float* RESTRICT k, const GLOBAL float* RESTRICT v,
+                     GLOBAL unsigned short* RESTRICT kc16, GLOBAL float* RESTRICT kc32,
+                     GLOBAL unsigned short* RESTRICT vc16, GLOBAL float* RESTRICT vc32, int fmt,
+                     const GLOBAL int* RESTRICT slots, const GLOBAL int* RESTRICT positions, int layer, int n_seqs,
+                     int n_kv_heads, int head_dim, int n_ctx)
 {
     const int i = GROUP_Y, e = GLOBAL_X, width = n_kv_heads * head_dim;
     if (e >= width) return;
     const size_t at = kv_head_base(layer, slots[i], e / head_dim, n_seqs, n_kv_heads, n_ctx, head_dim)
                     + (size_t)positions[i] * head_dim + e % head_dim;
-    kc[at] = k[(size_t)i * width + e];
-    vc[at] = v[(size_t)i * width + e];
+    store_elem(kc16, kc32, fmt, at, k[(size_t)i * width + e]);
+    store_elem(vc16, vc32, fmt, at, v[(size_t)i * width + e]);
+}
+
+KERNEL kv_store_f32(const GLOBAL float* RESTRICT k, const GLOBAL float* RESTRICT v, GLOBAL float* RESTRICT kc,
+                    GLOBAL float* RESTRICT vc, const GLOBAL int* RESTRICT slots,
+                    const GLOBAL int* RESTRICT positions, int layer, int n_seqs, int n_kv_heads, int head_dim,
+                    int n_ctx)
+{
+    kv_store(k, v, 0, kc, 0, vc, FMT_F32, slots, positions, layer, n_seqs, n_kv_heads, head_dim, n_ctx);
+}
+
+KERNEL kv_store_f16(const GLOBAL float* RESTRICT k, const GLOBAL float* RESTRICT v,
+                    GLOBAL unsigned short* RESTRICT kc, GLOBAL unsigned short* RESTRICT vc,
+                    const GLOBAL int* RESTRICT slots, const GLOBAL int* RESTRICT positions, int layer, int n_seqs,
+                    int n_kv_heads, int head_dim, int n_ctx)
+{
+    kv_store(k, v, kc, 0, vc, 0, FMT_F16, slots, positions, layer, n_seqs, n_kv_heads, head_dim, n_ctx);
 }
 
 /* Causal grouped-query attention of query row i, head h (group (h, i)) over positions 0..positions[i] of
@@ -555,18 +577,16 @@ KERNEL kv_store_f32(const GLOBAL float* RESTRICT k, const GLOBAL float* RESTRICT
  * head's positions in chunks of LSIZE with an online softmax (running max m and sum l; the output row,
  * owned by this group, is rescaled when m grows), so no n_ctx-sized score buffer exists. Thread t scores
  * position c0 + t; then threads take dimensions and accumulate p * V. */
-KERNEL attention_f32(const GLOBAL float* RESTRICT q, const GLOBAL float* RESTRICT kc,
-                     const GLOBAL float* RESTRICT vc, GLOBAL float* RESTRICT out, const GLOBAL int* RESTRICT slots,
-                     const GLOBAL int* RESTRICT positions, int layer, int n_seqs, int n_heads, int n_kv_heads,
-                     int head_dim, int n_ctx, float scale)
+DEVICE void attention(const GLOBAL float* RESTRICT q, const GLOBAL unsigned short* RESTRICT kc16,
+                      const GLOBAL float* RESTRICT kc32, const GLOBAL unsigned short* RESTRICT vc16,
+                      const GLOBAL float* RESTRICT vc32, int fmt, GLOBAL float* RESTRICT out,
+                      const GLOBAL int* RESTRICT slots, const GLOBAL int* RESTRICT positions, int layer, int n_seqs,
+                      int n_heads, int n_kv_heads, int head_dim, int n_ctx, float scale, LOCAL_PTR float* p,
+                      LOCAL_PTR float* red)
 {
-    LOCAL float p[MAX_WG];
-    LOCAL float red[MAX_WG];
     const int h = GROUP_X, i = GROUP_Y, n_kv = positions[i] + 1;
     const size_t head = kv_head_base(layer, slots[i], h / (n_heads / n_kv_heads), n_seqs, n_kv_heads, n_ctx,
                                      head_dim);
-    const GLOBAL float* K = kc + head;
-    const GLOBAL float* V = vc + head;
     const GLOBAL float* qh = q + ((size_t)i * n_heads + h) * head_dim;
     GLOBAL float* o = out + ((size_t)i * n_heads + h) * head_dim;
     float m = NEG_INF, l = 0.0f;
@@ -576,7 +596,8 @@ KERNEL attention_f32(const GLOBAL float* RESTRICT q, const GLOBAL float* RESTRIC
         float s = NEG_INF;
         if (pos < n_kv) {
             s = 0.0f;
-            for (int d = 0; d < head_dim; ++d) s += qh[d] * K[(size_t)pos * head_dim + d];
+            const size_t at = head + (size_t)pos * head_dim;
+            for (int d = 0; d < head_dim; ++d) s += qh[d] * load_elem(kc16, kc32, fmt, at + d);
             s *= scale;
         }
         const float m_new = fmaxf(m, group_max(red, s));
@@ -586,13 +607,37 @@ KERNEL attention_f32(const GLOBAL float* RESTRICT q, const GLOBAL float* RESTRIC
         const int cnt = min(LSIZE, n_kv - c0);
         for (int d = TID; d < head_dim; d += LSIZE) {
             float acc = o[d] * alpha;
-            for (int j = 0; j < cnt; ++j) acc += p[j] * V[(size_t)(c0 + j) * head_dim + d];
+            for (int j = 0; j < cnt; ++j)
+                acc += p[j] * load_elem(vc16, vc32, fmt, head + (size_t)(c0 + j) * head_dim + d);
             o[d] = acc;
         }
         m = m_new;
         BARRIER(); /* p is rewritten by the next chunk */
     }
     for (int d = TID; d < head_dim; d += LSIZE) o[d] /= l;
+}
+
+KERNEL attention_f32(const GLOBAL float* RESTRICT q, const GLOBAL float* RESTRICT kc,
+                     const GLOBAL float* RESTRICT vc, GLOBAL float* RESTRICT out, const GLOBAL int* RESTRICT slots,
+                     const GLOBAL int* RESTRICT positions, int layer, int n_seqs, int n_heads, int n_kv_heads,
+                     int head_dim, int n_ctx, float scale)
+{
+    LOCAL float p[MAX_WG];
+    LOCAL float red[MAX_WG];
+    attention(q, 0, kc, 0, vc, FMT_F32, out, slots, positions, layer, n_seqs, n_heads, n_kv_heads, head_dim, n_ctx,
+              scale, p, red);
+}
+
+/* The same over an F16 cache (half the bytes read per position). */
+KERNEL attention_f16(const GLOBAL float* RESTRICT q, const GLOBAL unsigned short* RESTRICT kc,
+                     const GLOBAL unsigned short* RESTRICT vc, GLOBAL float* RESTRICT out,
+                     const GLOBAL int* RESTRICT slots, const GLOBAL int* RESTRICT positions, int layer, int n_seqs,
+                     int n_heads, int n_kv_heads, int head_dim, int n_ctx, float scale)
+{
+    LOCAL float p[MAX_WG];
+    LOCAL float red[MAX_WG];
+    attention(q, kc, 0, vc, 0, FMT_F16, out, slots, positions, layer, n_seqs, n_heads, n_kv_heads, head_dim, n_ctx,
+              scale, p, red);
 }
 
 KERNEL silu_mul_f32(const GLOBAL float* RESTRICT g, const GLOBAL float* RESTRICT u,

@@ -33,7 +33,7 @@ import numpy as np
 from bitnet.errors import NoBackendError, UsageError
 from bitnet.gpu import TILE_N
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
-from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KV_DTYPES, KernelProvider, check_kv_type
 
 ACT_MODE = {"row": 0, "block256": 1}
 # LM-head table formats, as the kernel source numbers them (FMT_*). bf16 lives in uint16 arrays.
@@ -198,7 +198,7 @@ class TernaryWeight:
 
 @dataclass
 class KVCache:
-    k: Tensor  # float32 [n_layers, n_seqs, n_kv_heads, n_ctx, head_dim]
+    k: Tensor  # float32 or float16 (kv_type) [n_layers, n_seqs, n_kv_heads, n_ctx, head_dim]
     v: Tensor
     n_kv_heads: int
     n_ctx: int
@@ -399,13 +399,11 @@ class GpuProvider(KernelProvider):
     @op
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,
                  kv_type: str = "f32") -> KVCache:
-        if kv_type != "f32":
-            raise UsageError(f"the {self.backend} backend keeps its KV cache in f32 only (its attention kernels "
-                             f"read float32): kv_type {kv_type!r} runs on cpu")
+        check_kv_type(kv_type)
         shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
         what = f"of {n_ctx} positions" + (f" x {n_seqs} sequences" if n_seqs > 1 else "")
-        k, v = self._resident((shape, np.float32, f"KV cache K {what}", None),
-                              (shape, np.float32, f"KV cache V {what}", None))
+        k, v = self._resident((shape, KV_DTYPES[kv_type], f"KV cache K {what}", None),
+                              (shape, KV_DTYPES[kv_type], f"KV cache V {what}", None))
         return KVCache(k, v, n_kv_heads, n_ctx, head_dim, n_seqs, np.zeros((n_layers, n_seqs), np.int64))
 
     @op
@@ -501,16 +499,16 @@ class GpuProvider(KernelProvider):
         slots, positions = np.asarray(slots).reshape(-1), np.asarray(positions).reshape(-1)
         check_rows(cache, layer, slots, positions, n)
         dev_slots, dev_pos = self._index("slots", slots), self._index("positions", positions)
-        width = n_kv_heads * head_dim
-        self._run("kv_store_f32", (groups(width, self.local["kv_store_f32"]), n), k, v, cache.k, cache.v,
+        width, fmt = n_kv_heads * head_dim, DTYPE_FORMAT[cache.k.dtype]
+        self._run(f"kv_store_{fmt}", (groups(width, self.local["kv_store_f32"]), n), k, v, cache.k, cache.v,
                   dev_slots, dev_pos, layer, cache.n_seqs, n_kv_heads, head_dim, cache.n_ctx)
         # As the transformer counts: a sequence's last row ends what its slot holds (a rewind forgets the rest).
         last = np.r_[slots[1:] != slots[:-1], True]
         cache.filled[layer, slots[last]] = positions[last] + 1
         out = self._new(q.shape)
         # Chunks of about head_dim positions keep every thread busy in both the score and the V phase.
-        local = min(self.local["attention_f32"], 1 << (head_dim - 1).bit_length())
-        self._run("attention_f32", (n_heads, n), q, cache.k, cache.v, out, dev_slots, dev_pos, layer,
+        local = min(self.local[f"attention_{fmt}"], 1 << (head_dim - 1).bit_length())
+        self._run(f"attention_{fmt}", (n_heads, n), q, cache.k, cache.v, out, dev_slots, dev_pos, layer,
                   cache.n_seqs, n_heads, n_kv_heads, head_dim, cache.n_ctx, float(1.0 / math.sqrt(head_dim)),
                   local=local)
         return out

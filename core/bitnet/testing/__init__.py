@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from bitnet.errors import UsageError
 from bitnet.modelfile.ternary import from_values
 from bitnet.plugins.registry import Registry
 from bitnet.plugins.selection import select
@@ -146,16 +147,24 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
                     assert np.array_equal(provider.to_host(g), provider.to_host(alone)), \
                         f"bitlinear_group[{mode}]: projection {name} differs from its bitlinear"
     # Attention over three sequence slots: slot 1 prefills 5 positions, then a batch decodes slot 1 beside a
-    # 3-token prefill of slot 2 and a first token of slot 0, then a batch decodes all three.
-    caches = (kv_cache_for(provider, 2, 16, kv_heads, head_dim, 3), ref.kv_cache(2, 16, kv_heads, head_dim, 3))
-    for slots, positions in [([1] * 5, range(5)), ([1, 2, 2, 2, 0], [5, 0, 1, 2, 0]), ([0, 1, 2], [1, 6, 3])]:
-        n = len(slots)
-        q = rng.standard_normal((n, heads * head_dim)).astype(np.float32)
-        k = rng.standard_normal((n, kv_heads * head_dim)).astype(np.float32)
-        v = rng.standard_normal((n, kv_heads * head_dim)).astype(np.float32)
-        s, pos = np.array(slots, np.int32), np.array(list(positions), np.int32)
-        outs = [p.attention(p.upload_float(q), p.upload_float(k), p.upload_float(v), c, 1, s, pos, heads, kv_heads,
-                            head_dim) for p, c in zip((provider, ref), caches, strict=True)]
-        same(f"attention[slots={slots}, positions={list(pos)}]", *outs)
+    # 3-token prefill of slot 2 and a first token of slot 0, then a batch decodes all three. An F16 cache
+    # too, where the provider offers one (refusing it is allowed; a wrong result is not).
+    for kv_type in ("f32", "f16"):
+        try:
+            mine = kv_cache_for(provider, 2, 16, kv_heads, head_dim, 3, kv_type=kv_type)
+        except UsageError:
+            if kv_type == "f32":
+                raise
+            continue
+        caches = (mine, ref.kv_cache(2, 16, kv_heads, head_dim, 3, kv_type=kv_type))
+        for slots, positions in [([1] * 5, range(5)), ([1, 2, 2, 2, 0], [5, 0, 1, 2, 0]), ([0, 1, 2], [1, 6, 3])]:
+            n = len(slots)
+            q = rng.standard_normal((n, heads * head_dim)).astype(np.float32)
+            k = rng.standard_normal((n, kv_heads * head_dim)).astype(np.float32)
+            v = rng.standard_normal((n, kv_heads * head_dim)).astype(np.float32)
+            s, pos = np.array(slots, np.int32), np.array(list(positions), np.int32)
+            outs = [p.attention(p.upload_float(q), p.upload_float(k), p.upload_float(v), c, 1, s, pos, heads,
+                                kv_heads, head_dim) for p, c in zip((provider, ref), caches, strict=True)]
+            same(f"attention[{kv_type}, slots={slots}, positions={list(pos)}]", *outs)
     assert provider.dispatches, "the provider recorded no kernel dispatch"
     return operation_support(provider)

@@ -27,6 +27,8 @@ _MODELS: tuple[tuple[str, SyntheticSpec | None], ...] = (
 )
 CASES = tuple((model, act_quant, lm_head) for model, _ in _MODELS for act_quant in ("row", "block256")
               for lm_head in ("f16", "q8"))
+# Attention is specialised on the KV cache's element type alone, so each type once per model is enough.
+KV_TYPE = {"row": "f32", "block256": "f16"}
 
 
 def _files(root: Path) -> Iterator[tuple[str, str]]:
@@ -34,9 +36,9 @@ def _files(root: Path) -> Iterator[tuple[str, str]]:
         yield name, default_model.path() if spec is None else str(write_model(root / f"{name.split()[0]}.gguf", spec))
 
 
-def warmup(device: str | None, report: Callable[[str, str, str, float], None]) -> float:
+def warmup(device: str | None, report: Callable[[str, str, str, str, float], None]) -> float:
     """Load each case on `device` and run a prefill, a decode step and two sequences decoded together;
-    report(model, act_quant, lm_head, seconds) after each. Returns the total seconds."""
+    report(model, act_quant, lm_head, kv_type, seconds) after each. Returns the total seconds."""
     from bitnet.runtime.engine import load
 
     start = time.perf_counter()
@@ -45,9 +47,11 @@ def warmup(device: str | None, report: Callable[[str, str, str, float], None]) -
             for act_quant in ("row", "block256"):
                 for lm_head in ("f16", "q8"):
                     t0 = time.perf_counter()
-                    with load(path, device=device, n_ctx=64, act_quant=act_quant, lm_head=lm_head) as engine:
+                    kv_type = KV_TYPE[act_quant]
+                    with load(path, device=device, n_ctx=64, act_quant=act_quant, lm_head=lm_head,
+                              kv_type=kv_type) as engine:
                         never_end = {t: -100.0 for t in engine.tokenizer.eog_ids}  # so that decode steps run
                         "".join(engine.generate("To be, or not", max_tokens=3, logit_bias=never_end))
                         engine.generate_batch(["Hello", "O Romeo"], max_tokens=3, logit_bias=never_end)
-                    report(name, act_quant, lm_head, time.perf_counter() - t0)
+                    report(name, act_quant, lm_head, kv_type, time.perf_counter() - t0)
     return time.perf_counter() - start
