@@ -33,7 +33,7 @@ import numpy as np
 from bitnet.errors import NoBackendError, UsageError
 from bitnet.gpu import TILE_N
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix
-from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KV_DTYPES, KernelProvider, check_kv_type
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KV_DTYPES, KernelProvider
 
 ACT_MODE = {"row": 0, "block256": 1}
 # LM-head table formats, as the kernel source numbers them (FMT_*). bf16 lives in uint16 arrays.
@@ -399,7 +399,6 @@ class GpuProvider(KernelProvider):
     @op
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,
                  kv_type: str = "f32") -> KVCache:
-        check_kv_type(kv_type)
         shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
         what = f"of {n_ctx} positions" + (f" x {n_seqs} sequences" if n_seqs > 1 else "")
         k, v = self._resident((shape, KV_DTYPES[kv_type], f"KV cache K {what}", None),
@@ -500,7 +499,7 @@ class GpuProvider(KernelProvider):
         check_rows(cache, layer, slots, positions, n)
         dev_slots, dev_pos = self._index("slots", slots), self._index("positions", positions)
         width, fmt = n_kv_heads * head_dim, DTYPE_FORMAT[cache.k.dtype]
-        self._run(f"kv_store_{fmt}", (groups(width, self.local["kv_store_f32"]), n), k, v, cache.k, cache.v,
+        self._run(f"kv_store_{fmt}", (groups(width, self.local[f"kv_store_{fmt}"]), n), k, v, cache.k, cache.v,
                   dev_slots, dev_pos, layer, cache.n_seqs, n_kv_heads, head_dim, cache.n_ctx)
         # As the transformer counts: a sequence's last row ends what its slot holds (a rewind forgets the rest).
         last = np.r_[slots[1:] != slots[:-1], True]
