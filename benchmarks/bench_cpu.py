@@ -7,7 +7,7 @@ count, with and without software prefetch, best of all runs) gives the decode ce
 bytes one decode step must read (ternary weights plus the LM head) over the probed GB/s. The
 first-run JIT cost (empty numba cache) is measured once. "ready" is the load plus what the
 first forward pass costs beyond the same pass run again (work an engine defers past load: for
-ours, numba's typing set-up and the linking of its cached kernels; llama.cpp has next to none).
+ours, the linking of numba's cached kernels; llama.cpp has next to none).
 With an int8 LM head (`--lm-head q8`, or `auto` on a file whose head is stored quantized) it also
 prints the head's accuracy against the F16 head, from one more process: top-1 agreement and mean
 KL divergence over the cross-validation prompts (bitnet.testing.crossval).
@@ -49,7 +49,7 @@ def _ids(n: int, vocab: int) -> list[int]:
 
 def _warm_up(step: Callable[[], None], reset: Callable[[], None]) -> tuple[float, float]:
     """The warm-up steps' time, and what they cost beyond the same steps run again: work an engine left
-    for its first forward pass (numba's typing set-up and cached-kernel linking; first page touches)."""
+    for its first forward pass (numba's cached-kernel linking; first page touches)."""
     t0 = time.perf_counter()
     step()
     warm_s = time.perf_counter() - t0

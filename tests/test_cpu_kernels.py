@@ -508,3 +508,13 @@ def test_import_does_not_load_numba() -> None:
     code = "import sys, bitnet_cpu; bitnet_cpu.probe(); assert 'numba' not in sys.modules, 'numba imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_opening_the_provider_sets_numbas_context_up() -> None:
+    # numba builds its typing and target context at the first kernel call of a process (it imports its
+    # implementation modules, such as numba.cpython.listobj): opening the provider does it instead, so that
+    # bitnet.load pays for it and the first forward pass does not.
+    code = ("import sys; import bitnet_cpu.provider as p; assert 'numba.cpython.listobj' not in sys.modules, 'early'; "
+            "p.CpuProvider(n_threads=1); assert 'numba.cpython.listobj' in sys.modules, 'context not set up'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
