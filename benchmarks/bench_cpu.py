@@ -212,6 +212,12 @@ def _timed(f: Any, *args: Any) -> float:
     return time.perf_counter() - t0
 
 
+def _tensor_types(path: str) -> set[str]:
+    from bitnet.modelfile.model import _open, type_name
+
+    return {type_name(int(t.tensor_type)) for t in _open(path).tensors}
+
+
 def decode_bytes(model: str, lm_head: str) -> tuple[int, str]:
     """Bytes one decode step reads (every projection tensor and the LM head), and the head's format."""
     from bitnet.modelfile.model import _open, type_name  # gguf's own reader rejects I2_S (ggml type 36)
@@ -268,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     llama_model = args.llama_model or args.model
+    for path in (args.model, llama_model, args.bitnet_cpp_model):
+        if path is not None and not os.path.isfile(path):
+            ap.error(f"no such file: {path}")
+    if "I2_S" in _tensor_types(llama_model):
+        ap.error(f"llama.cpp cannot read I2_S ({llama_model}): give its TQ2_0 twin as --llama-model")
     for path in {args.model, llama_model}:  # both engines mmap: neither pays the first cold read
         with open(path, "rb") as f:
             while f.read(64 << 20):
@@ -343,4 +354,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(workers.main_exit(main))

@@ -6,7 +6,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+
+class WorkerError(RuntimeError):
+    """A worker that failed, timed out or printed no RESULT, in one line."""
 
 
 def result(out: dict[str, Any]) -> None:
@@ -15,12 +21,27 @@ def result(out: dict[str, Any]) -> None:
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> dict[str, Any]:
-    """Run a worker command; its RESULT, or RuntimeError with the end of its stderr."""
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    """Run a worker command; its RESULT, or WorkerError with the last line of its stderr (a traceback's error)."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise WorkerError(f"{what} worker timed out after {timeout:g} s") from None
     line = next((ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode or line is None:
-        raise RuntimeError(f"{what} worker failed ({p.returncode}): {p.stderr.strip()[-800:]}")
+        last = next((ln.strip() for ln in reversed(p.stderr.splitlines()) if ln.strip()), "no error output")
+        raise WorkerError(f"{what} worker failed (exit {p.returncode}): {last}")
     return json.loads(line)
+
+
+def main_exit(main: Callable[[], int]) -> int:
+    """A benchmark's exit code: a failed worker (1) or a bad model file (4) is one line on stderr, no traceback."""
+    from bitnet.errors import BitnetError
+
+    try:
+        return main()
+    except (WorkerError, BitnetError) as e:
+        print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 1)
 
 
 def spawn(script: str, kind: str, model: str, threads: int, options: list[str], timeout: float,

@@ -1,0 +1,51 @@
+"""The benchmark scripts' errors: a bad file or a failed worker is one line and an exit code, not a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bitnet.modelfile import default_model
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import workers  # noqa: E402
+
+
+def bench_cpu(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCHMARKS / "bench_cpu.py"), *args, "--runs", "1"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_failed_worker_is_its_error_line() -> None:
+    cmd = [sys.executable, "-c", "def f():\n    raise ValueError('Failed to load model from file: x.gguf')\nf()"]
+    with pytest.raises(workers.WorkerError) as e:
+        workers.run(cmd, {}, 60, "llama")
+    assert str(e.value) == "llama worker failed (exit 1): ValueError: Failed to load model from file: x.gguf"
+
+
+def test_a_worker_without_a_result_or_in_time_fails() -> None:
+    with pytest.raises(workers.WorkerError, match="no error output"):
+        workers.run([sys.executable, "-c", "print('hello')"], {}, 60, "ours")
+    with pytest.raises(workers.WorkerError, match="timed out after 0.5 s"):
+        workers.run([sys.executable, "-c", "import time; time.sleep(30)"], {}, 0.5, "ours")
+
+
+def test_bench_cpu_refuses_an_i2_s_file_for_llama_cpp() -> None:
+    r = bench_cpu("--model", default_model.path())  # llama.cpp would run the I2_S file itself
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith("give its TQ2_0 twin as --llama-model")
+
+
+def test_bench_cpu_bad_files_are_one_line(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"junk")
+    r = bench_cpu("--model", str(junk))
+    assert (r.returncode, r.stderr.strip()) == (4, f"bench_cpu.py: {junk}: not a GGUF file (no GGUF magic)")
+    missing = tmp_path / "missing.gguf"
+    r = bench_cpu("--model", str(missing))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(f"no such file: {missing}")
