@@ -187,8 +187,8 @@ def measure_once(row: Row, args: argparse.Namespace, run: int) -> None:
            "--decode-tokens", str(args.decode_tokens)]
     try:
         r = workers.run(cmd, env, args.timeout, worker_name)
-    except RuntimeError as exc:
-        row.error = str(exc).splitlines()[-1]
+    except workers.WorkerError as exc:  # one line already
+        row.error = str(exc)
         return
     row.runs.append(r)
     print(f"  {row.model:<6} {row.engine:<12} t={row.threads} run {run + 1}/{args.runs}: "

@@ -14,6 +14,8 @@ from typing import Any
 class WorkerError(RuntimeError):
     """A worker that failed, timed out or printed no RESULT, in one line."""
 
+    exit_code = 1
+
 
 def result(out: dict[str, Any]) -> None:
     """A worker's answer: the one line `run` reads back."""
@@ -41,7 +43,7 @@ def main_exit(main: Callable[[], int]) -> int:
         return main()
     except (WorkerError, BitnetError) as e:
         print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 1)
+        return e.exit_code
 
 
 def spawn(script: str, kind: str, model: str, threads: int, options: list[str], timeout: float,
