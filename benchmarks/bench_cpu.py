@@ -11,6 +11,8 @@ ours, the linking of numba's cached kernels; llama.cpp has next to none).
 With an int8 LM head (`--lm-head q8`, or `auto` on a file whose head is stored quantized) it also
 prints the head's accuracy against the F16 head, from one more process: top-1 agreement and mean
 KL divergence over the cross-validation prompts (bitnet.testing.crossval).
+`--busy N` keeps N processes spinning on the CPU through every run, a shared machine made on purpose:
+how much of its speed each engine keeps when a co-tenant takes cores from it.
 
     python benchmarks/bench_cpu.py --model /tmp/m-tq2_0.gguf --threads 1,2 --runs 5
     python benchmarks/bench_cpu.py --model /tmp/m-i2_s.gguf --llama-model /tmp/m-tq2_0.gguf
@@ -256,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bitnet-cpp", metavar="LLAMA_BENCH", help="bitnet.cpp's llama-bench binary")
     ap.add_argument("--bitnet-cpp-model", help="the file bitnet.cpp runs (I2_S, --arch bitnet)")
     ap.add_argument("--no-jit-probe", action="store_true", help="skip the empty-cache first-run measurement")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="N processes spin on the CPU beside every run (a shared machine's co-tenants)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -273,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         workers.result(out)
         return 0
 
+    if args.busy < 0:
+        ap.error(f"--busy must be 0 or more, not {args.busy}")
     llama_model = args.llama_model or args.model
     for path in (args.model, llama_model, args.bitnet_cpp_model):
         if path is not None and not os.path.isfile(path):
@@ -299,20 +305,23 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = dict.fromkeys(threads, 0.0)  # the best probe of all runs: background load only lowers it
     engines = ["ours", "llama"] + (["bitnet.cpp"] if args.bitnet_cpp else [])
     names = {"ours": "ours", "llama": "llama.cpp", "bitnet.cpp": "bitnet.cpp"}
-    for run in range(args.runs):
-        for t in threads:
-            bandwidth[t] = max(bandwidth[t], spawn("bandwidth", args, args.model, t)["gbps"])
-            for kind in engines[run % len(engines):] + engines[:run % len(engines)]:  # each goes first in turn
-                if kind == "bitnet.cpp":
-                    r = bitnet_cpp(args.bitnet_cpp, args.bitnet_cpp_model or args.model, t, args.prompt_tokens,
-                                   args.decode_tokens, args.timeout)
-                else:
-                    r = spawn(kind, args, args.model if kind == "ours" else llama_model, t)
-                results.setdefault((kind, t), []).append(r)
-                print(f"  run {run + 1} {names[kind]:<10} t={t}: load {r['load_s']:.2f} s "
-                      f"(ready {r['ready_s']:.2f} s), "
-                      f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps']:.2f} tok/s, "
-                      f"RSS {r['rss_mb']:.0f} MB", file=log, flush=True)
+    if args.busy:
+        print(f"{args.busy} busy co-tenant process(es) spin beside every run", file=log, flush=True)
+    with workers.busy(args.busy):
+        for run in range(args.runs):
+            for t in threads:
+                bandwidth[t] = max(bandwidth[t], spawn("bandwidth", args, args.model, t)["gbps"])
+                for kind in engines[run % len(engines):] + engines[:run % len(engines)]:  # each goes first in turn
+                    if kind == "bitnet.cpp":
+                        r = bitnet_cpp(args.bitnet_cpp, args.bitnet_cpp_model or args.model, t, args.prompt_tokens,
+                                       args.decode_tokens, args.timeout)
+                    else:
+                        r = spawn(kind, args, args.model if kind == "ours" else llama_model, t)
+                    results.setdefault((kind, t), []).append(r)
+                    print(f"  run {run + 1} {names[kind]:<10} t={t}: load {r['load_s']:.2f} s "
+                          f"(ready {r['ready_s']:.2f} s), "
+                          f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps']:.2f} tok/s, "
+                          f"RSS {r['rss_mb']:.0f} MB", file=log, flush=True)
 
     def med(kind: str, t: int, key: str) -> float:
         return statistics.median(r[key] for r in results[(kind, t)])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +53,15 @@ def spawn(script: str, kind: str, model: str, threads: int, options: list[str], 
     env = {**os.environ, "BITNET_NUM_THREADS": str(threads), **(env_extra or {})}
     cmd = [sys.executable, script, "--worker", kind, "--model", model, "--threads", str(threads), *options]
     return run(cmd, env, timeout, kind)
+
+
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """n processes spinning on the CPU for as long as the block runs: the co-tenants of a shared machine."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

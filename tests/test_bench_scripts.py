@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,23 @@ def test_bench_cpu_bad_files_are_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "missing.gguf"
     r = bench_cpu("--model", str(missing))
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(f"no such file: {missing}")
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_busy_co_tenants_spin_while_the_block_runs_and_are_gone_after() -> None:
+    with workers.busy(2) as procs:
+        assert len(procs) == 2
+        time.sleep(0.5)
+        assert all(_cpu_ticks(p.pid) > 0 for p in procs)  # each has used the CPU, not slept
+    assert all(p.returncode is not None for p in procs)  # killed and reaped
+    assert not any(Path(f"/proc/{p.pid}").exists() for p in procs)
+
+
+def test_bench_cpu_refuses_a_negative_busy_count() -> None:
+    r = bench_cpu("--model", default_model.path(), "--busy", "-1")
+    assert r.returncode == 2 and r.stderr.strip().endswith("--busy must be 0 or more, not -1")

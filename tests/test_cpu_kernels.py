@@ -8,6 +8,8 @@ tolerance: FLOAT_TOL for float32 sums taken in another order.
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 import sys
 
@@ -500,6 +502,41 @@ def test_thread_count_applies_in_any_calling_thread() -> None:
     worker.start()
     worker.join()
     assert seen == [1]
+
+
+# -- the threading layer ------------------------------------------------------------------------------
+
+X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+def _threading_layer(env: dict[str, str], before: str = "") -> list[str]:
+    """numba's threading layer in a fresh process that opened a 2-thread provider, and whether libtbb is loaded."""
+    code = (f"{before}import numba; from bitnet_cpu.provider import CpuProvider; CpuProvider(n_threads=2); "
+            "print(numba.threading_layer(), 'libtbb.so' in open('/proc/self/maps').read())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.split()
+
+
+DEFAULT_ENV = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the tbb wheel is a dependency on x86-64 Linux only")
+def test_the_kernels_run_on_tbb() -> None:
+    # Under OpenMP a kernel waits for the share of a descheduled thread; under TBB the calling thread runs it.
+    assert _threading_layer(DEFAULT_ENV) == ["tbb", "True"]
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the tbb wheel is a dependency on x86-64 Linux only")
+def test_numba_alone_does_not_find_the_tbb_wheel() -> None:
+    # Why the provider loads the library by path: without that numba falls back to OpenMP, silently.
+    hide = "import bitnet_cpu.threading_layer as t; t.installed_tbb = lambda: None; "
+    assert _threading_layer(DEFAULT_ENV, hide) == ["omp", "False"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_a_threading_layer_the_user_chose_is_kept() -> None:
+    assert _threading_layer({**DEFAULT_ENV, "NUMBA_THREADING_LAYER": "omp"}) == ["omp", "False"]
 
 
 # -- the import cost ---------------------------------------------------------------------------------

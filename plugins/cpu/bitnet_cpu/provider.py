@@ -12,7 +12,6 @@ each kernel on first use into its disk cache.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_
 
 from . import float_kernels as fk
 from . import isa as isa_levels
-from . import threads
+from . import threading_layer, threads
 
 # Byte -> its four 2-bit codes (low bits first) decoded to -1/0/+1. Each entry's four float32
 # are viewed as one complex128, so unpacking is a 1-D np.take (several times faster than
@@ -122,21 +121,7 @@ def _head_major(kv: np.ndarray) -> np.ndarray:
     return kv.view(np.uint16) if kv.dtype == np.float16 else kv
 
 
-def _bounded_openmp_spinning() -> None:
-    """Let numba's OpenMP workers spin ~0.5 ms between parallel regions, then sleep (unless the user chose).
-
-    A 2B-4T decode step runs ~150 short parallel regions, a few tens of microseconds apart. Sleeping
-    at once (OMP_WAIT_POLICY=passive) pays a wake-up per region: 2-thread decode lost 12 % on a
-    quiet machine. libgomp's default (spinning ~15 ms) stalls every region on a descheduled
-    spinner when the machine is shared: 0.5-1.6 tokens/s under a load of 7 on 2 cores, where
-    2000-20000 spins gave 0.9-2.2 and passive 2.7-3.1. 10000 spins cover the gaps inside a step
-    and give the cores back soon after. libgomp reads this when numba first starts its threads.
-    """
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = "10000"
-
-
-_bounded_openmp_spinning()
+threading_layer.configure()
 
 
 def _numba_context_ready() -> None:
