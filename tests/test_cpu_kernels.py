@@ -534,9 +534,10 @@ def test_numba_alone_does_not_find_the_tbb_wheel() -> None:
     assert _threading_layer(DEFAULT_ENV, hide) == ["omp", "False"]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+@pytest.mark.skipif(not X86_LINUX, reason="the tbb wheel is a dependency on x86-64 Linux only")
 def test_a_threading_layer_the_user_chose_is_kept() -> None:
     assert _threading_layer({**DEFAULT_ENV, "NUMBA_THREADING_LAYER": "omp"}) == ["omp", "False"]
+    assert _threading_layer({**DEFAULT_ENV, "NUMBA_THREADING_LAYER": "tbb"}) == ["tbb", "True"]  # found, as by default
 
 
 # -- the import cost ---------------------------------------------------------------------------------

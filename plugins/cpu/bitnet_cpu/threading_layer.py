@@ -10,7 +10,7 @@ worker has started, so a busy co-tenant costs its fair share of a core, not the 
 numba picks TBB first when it can load it, but the `tbb` wheel puts `libtbb.so.12` in the
 environment's `lib` directory, which the dynamic loader does not search (numba issue 6108): numba
 then falls back to OpenMP without a word. Loading the library by its path first lets numba find it
-by name. Both are left alone when the user chose a layer (`NUMBA_THREADING_LAYER`).
+by name (also when the user asks for `NUMBA_THREADING_LAYER=tbb`); `omp` or `workqueue` leave it unloaded.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def installed_tbb() -> str | None:
 
 
 def prefer_tbb() -> bool:
-    """Make the installed TBB loadable by numba, unless the user chose a layer; True when it was loaded."""
-    if os.environ.get("NUMBA_THREADING_LAYER", "default").strip().lower() != "default":
+    """Make the installed TBB loadable by numba, unless the user chose a layer without it; True when loaded."""
+    if os.environ.get("NUMBA_THREADING_LAYER", "").strip().lower() in ("omp", "workqueue"):
         return False
     path = installed_tbb()
     if path is None:
