@@ -31,18 +31,16 @@ def installed_tbb() -> str | None:
     return None
 
 
-def prefer_tbb() -> bool:
-    """Make the installed TBB loadable by numba, unless the user chose a layer without it; True when loaded."""
+def prefer_tbb() -> None:
+    """Make the installed TBB loadable by numba, unless the user chose a layer without it."""
     if os.environ.get("NUMBA_THREADING_LAYER", "").strip().lower() in ("omp", "workqueue"):
-        return False
+        return
     path = installed_tbb()
-    if path is None:
-        return False
-    try:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError:  # unloadable (another platform's build): numba uses OpenMP
-        return False
-    return True
+    if path is not None:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:  # unloadable (another platform's build): numba uses OpenMP
+            pass
 
 
 def bounded_openmp_spinning() -> None:
