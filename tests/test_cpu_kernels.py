@@ -509,13 +509,18 @@ def test_thread_count_applies_in_any_calling_thread() -> None:
 X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
 
 
+def _fresh_process(code: str, env: dict[str, str] | None = None) -> str:
+    """What `code` prints in a new interpreter (the tests here are about what a process does first); it must succeed."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
 def _threading_layer(env: dict[str, str], before: str = "") -> list[str]:
     """numba's threading layer in a fresh process that opened a 2-thread provider, and whether libtbb is loaded."""
     code = (f"{before}import numba; from bitnet_cpu.provider import CpuProvider; CpuProvider(n_threads=2); "
             "print(numba.threading_layer(), 'libtbb.so' in open('/proc/self/maps').read())")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout.split()
+    return _fresh_process(code, env).split()
 
 
 DEFAULT_ENV = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
@@ -544,8 +549,7 @@ def test_a_threading_layer_the_user_chose_is_kept() -> None:
 
 def test_import_does_not_load_numba() -> None:
     code = "import sys, bitnet_cpu; bitnet_cpu.probe(); assert 'numba' not in sys.modules, 'numba imported'"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _fresh_process(code)
 
 
 def test_opening_the_provider_sets_numbas_context_up() -> None:
@@ -554,5 +558,4 @@ def test_opening_the_provider_sets_numbas_context_up() -> None:
     # bitnet.load pays for it and the first forward pass does not.
     code = ("import sys; import bitnet_cpu.provider as p; assert 'numba.cpython.listobj' not in sys.modules, 'early'; "
             "p.CpuProvider(n_threads=1); assert 'numba.cpython.listobj' in sys.modules, 'context not set up'")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _fresh_process(code)
