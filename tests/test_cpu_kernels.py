@@ -12,6 +12,8 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import numba
 import numpy as np
@@ -552,10 +554,43 @@ def test_import_does_not_load_numba() -> None:
     _fresh_process(code)
 
 
-def test_opening_the_provider_sets_numbas_context_up() -> None:
-    # numba builds its typing and target context at the first kernel call of a process (it imports its
-    # implementation modules, such as numba.cpython.listobj): opening the provider does it instead, so that
-    # bitnet.load pays for it and the first forward pass does not.
-    code = ("import sys; import bitnet_cpu.provider as p; assert 'numba.cpython.listobj' not in sys.modules, 'early'; "
-            "p.CpuProvider(n_threads=1); assert 'numba.cpython.listobj' in sys.modules, 'context not set up'")
+def test_cached_kernels_run_without_numbas_compiler() -> None:
+    # numba's cache loader sets its compiler's context up first: 0.3-0.4 s of imports (numba.cpython.listobj
+    # among them) that running machine code never needs. A model's prompt and decode steps run without it.
+    # The first process may compile (a cold cache compiles, and a compile needs the context); the second loads.
+    code = ("import sys, bitnet; e = bitnet.load(device='cpu'); e.provider.n_threads = 2; "
+            "text = ''.join(e.generate('To be', max_tokens=4)); print('numba.cpython.listobj' in sys.modules)")
     _fresh_process(code)
+    assert _fresh_process(code).split() == ["False"]
+
+
+def _cached_module(monkeypatch: pytest.MonkeyPatch, cache: Path) -> ModuleType:
+    """A module holding one disk-cached kernel, whose cache lives in `cache`."""
+    monkeypatch.setattr(numba.core.config, "CACHE_DIR", str(cache))
+    mod = ModuleType("cached")
+    mod.plus_one = numba.njit(cache=True)(lambda x: x + 1)
+    return mod
+
+
+def test_lightly_loaded_kernels_compile_on_a_miss_and_load_on_a_hit(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    from bitnet_cpu import kernel_cache
+
+    for expect_hits in (0, 1):  # an empty cache compiles (numba's compiler sets its context up); then it loads
+        mod = _cached_module(monkeypatch, tmp_path)
+        kernel_cache.load_lightly(mod)
+        assert "load_overload" in vars(mod.plus_one._cache)
+        assert mod.plus_one(41) == 42
+        assert sum(mod.plus_one.stats.cache_hits.values()) == expect_hits
+
+
+def test_a_numba_without_the_cache_hooks_loads_the_standard_way(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    from numba.core.caching import Cache
+
+    from bitnet_cpu import kernel_cache
+
+    mod = _cached_module(monkeypatch, tmp_path)
+    monkeypatch.delattr(Cache, "_load_overload")
+    kernel_cache.load_lightly(mod)
+    assert "load_overload" not in vars(mod.plus_one._cache)

@@ -117,6 +117,10 @@ def build(level: str, cache: bool = True) -> ModuleType:
     announce_compiles()
     with _numba_cache_dir(directory):
         spec.loader.exec_module(mod)
+    if directory is not None:
+        from . import kernel_cache
+
+        kernel_cache.load_lightly(mod)
     return mod
 
 

@@ -27,7 +27,7 @@ from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_
 
 from . import float_kernels as fk
 from . import isa as isa_levels
-from . import threading_layer, threads
+from . import kernel_cache, threading_layer, threads
 
 # Byte -> its four 2-bit codes (low bits first) decoded to -1/0/+1. Each entry's four float32
 # are viewed as one complex128, so unpacking is a 1-D np.take (several times faster than
@@ -122,18 +122,7 @@ def _head_major(kv: np.ndarray) -> np.ndarray:
 
 
 threading_layer.configure()
-
-
-def _numba_context_ready() -> None:
-    """Set up numba's typing and target context now, as a provider opens (once per process).
-
-    numba does it at the first kernel call in a process, cached kernels included: it imports its
-    implementation modules, 0.25-0.37 s on the AMD EPYC. Left there, it landed in the first forward pass,
-    after `bitnet.load` returned: the load time looked short and the first prompt's rate, or a server's
-    first request, paid for it. What the first call still does is link the cached kernels it runs."""
-    from numba.core.registry import cpu_target
-
-    cpu_target.target_context.refresh()
+kernel_cache.load_lightly(fk)
 
 
 class CpuProvider(ReferenceProvider):
@@ -145,7 +134,7 @@ class CpuProvider(ReferenceProvider):
         super().__init__(device, backend)
         self.isa = isa_levels.choose(isa)
         self._tk = isa_levels.kernels(self.isa)
-        _numba_context_ready()
+        kernel_cache.runtime_ready()
         # numba cannot start more threads than it was configured with at import (NUMBA_NUM_THREADS).
         self.n_threads = max(1, min(n_threads or threads(), numba.config.NUMBA_NUM_THREADS))
         self._rope: tuple[tuple[bytes, int, float], np.ndarray, np.ndarray] | None = None  # the last angles
