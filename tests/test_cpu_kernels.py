@@ -506,6 +506,21 @@ def test_thread_count_applies_in_any_calling_thread() -> None:
     assert seen == [1]
 
 
+
+def test_providers_of_different_thread_counts_take_turns_in_one_thread() -> None:
+    # The count a provider set is remembered per thread (asking numba is slow): a second provider's must
+    # still replace it, and the first's come back.
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one numba thread only")
+    rng = np.random.default_rng(8)
+    w, x = ternary(rng, 8, 256, False), rng.standard_normal((1, 256)).astype(np.float32)
+    one, two = CpuProvider(n_threads=1), CpuProvider(n_threads=2)
+    seen = []
+    for p in (one, two, one, two):
+        p.bitlinear(x, p.upload_ternary(w), "row")
+        seen.append(numba.get_num_threads())
+    assert seen == [1, 2, 1, 2]
+
 # -- the threading layer ------------------------------------------------------------------------------
 
 X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"

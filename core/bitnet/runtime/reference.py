@@ -250,9 +250,13 @@ def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.
 def check_slots(cache: KVCache, slots: np.ndarray, positions: np.ndarray, n: int) -> None:
     if len(slots) != n or len(positions) != n:
         raise UsageError(f"{n} rows need {n} slots and positions, got {len(slots)} and {len(positions)}")
-    if n and not (0 <= slots.min() and slots.max() < cache.n_seqs):
+    if not n:
+        return
+    # As lists: every layer checks a decode step's few rows, and four NumPy reductions took 14 us.
+    s, p = np.asarray(slots).tolist(), np.asarray(positions).tolist()
+    if not (0 <= min(s) and max(s) < cache.n_seqs):
         raise UsageError(f"sequence slot out of range 0..{cache.n_seqs - 1}")
-    if n and not (0 <= positions.min() and positions.max() < cache.n_ctx):
+    if not (0 <= min(p) and max(p) < cache.n_ctx):
         raise UsageError(f"position out of range 0..{cache.n_ctx - 1} (the context is {cache.n_ctx})")
 
 
