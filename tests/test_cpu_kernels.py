@@ -506,7 +506,6 @@ def test_thread_count_applies_in_any_calling_thread() -> None:
     assert seen == [1]
 
 
-
 def test_providers_of_different_thread_counts_take_turns_in_one_thread() -> None:
     # The count a provider set is remembered per thread (asking numba is slow): a second provider's must
     # still replace it, and the first's come back.
@@ -520,6 +519,7 @@ def test_providers_of_different_thread_counts_take_turns_in_one_thread() -> None
         p.bitlinear(x, p.upload_ternary(w), "row")
         seen.append(numba.get_num_threads())
     assert seen == [1, 2, 1, 2]
+
 
 # -- the threading layer ------------------------------------------------------------------------------
 
@@ -574,7 +574,7 @@ def test_cached_kernels_run_without_numbas_compiler() -> None:
     # among them) that running machine code never needs. A model's prompt and decode steps run without it.
     # The first process may compile (a cold cache compiles, and a compile needs the context); the second loads.
     code = ("import sys, bitnet; e = bitnet.load(device='cpu'); e.provider.n_threads = 2; "
-            "text = ''.join(e.generate('To be', max_tokens=4)); print('numba.cpython.listobj' in sys.modules)")
+            "''.join(e.generate('To be', max_tokens=4)); print('numba.cpython.listobj' in sys.modules)")
     _fresh_process(code)
     assert _fresh_process(code).split() == ["False"]
 
