@@ -1,0 +1,104 @@
+"""How the CPU plugin's kernels run in a process: numba's threading layer, what importing the plugin
+costs, and loading the kernels from numba's disk cache. Most tests here start fresh interpreters: they
+are about what a process does first."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numba
+import pytest
+
+# -- the threading layer ------------------------------------------------------------------------------
+
+X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+def _fresh_process(code: str, env: dict[str, str] | None = None) -> str:
+    """What `code` prints in a new interpreter (the tests here are about what a process does first); it must succeed."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def _threading_layer(env: dict[str, str], before: str = "") -> list[str]:
+    """numba's threading layer in a fresh process that opened a 2-thread provider, and whether libtbb is loaded."""
+    code = (f"{before}import numba; from bitnet_cpu.provider import CpuProvider; CpuProvider(n_threads=2); "
+            "print(numba.threading_layer(), 'libtbb.so' in open('/proc/self/maps').read())")
+    return _fresh_process(code, env).split()
+
+
+DEFAULT_ENV = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the tbb wheel is a dependency on x86-64 Linux only")
+def test_the_kernels_run_on_tbb() -> None:
+    # Under OpenMP a kernel waits for the share of a descheduled thread; under TBB the calling thread runs it.
+    assert _threading_layer(DEFAULT_ENV) == ["tbb", "True"]
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the tbb wheel is a dependency on x86-64 Linux only")
+def test_numba_alone_does_not_find_the_tbb_wheel() -> None:
+    # Why the provider loads the library by path: without that numba falls back to OpenMP, silently.
+    hide = "import bitnet_cpu.threading_layer as t; t.installed_tbb = lambda: None; "
+    assert _threading_layer(DEFAULT_ENV, hide) == ["omp", "False"]
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the tbb wheel is a dependency on x86-64 Linux only")
+def test_a_threading_layer_the_user_chose_is_kept() -> None:
+    assert _threading_layer({**DEFAULT_ENV, "NUMBA_THREADING_LAYER": "omp"}) == ["omp", "False"]
+    assert _threading_layer({**DEFAULT_ENV, "NUMBA_THREADING_LAYER": "tbb"}) == ["tbb", "True"]  # found, as by default
+
+
+# -- the import cost ---------------------------------------------------------------------------------
+
+def test_import_does_not_load_numba() -> None:
+    code = "import sys, bitnet_cpu; bitnet_cpu.probe(); assert 'numba' not in sys.modules, 'numba imported'"
+    _fresh_process(code)
+
+
+def test_cached_kernels_run_without_numbas_compiler() -> None:
+    # numba's cache loader sets its compiler's context up first: 0.3-0.4 s of imports (numba.cpython.listobj
+    # among them) that running machine code never needs. A model's prompt and decode steps run without it.
+    # The first process may compile (a cold cache compiles, and a compile needs the context); the second loads.
+    code = ("import sys, bitnet; e = bitnet.load(device='cpu'); e.provider.n_threads = 2; "
+            "''.join(e.generate('To be', max_tokens=4)); print('numba.cpython.listobj' in sys.modules)")
+    _fresh_process(code)
+    assert _fresh_process(code).split() == ["False"]
+
+
+def _cached_module(monkeypatch: pytest.MonkeyPatch, cache: Path) -> ModuleType:
+    """A module holding one disk-cached kernel, whose cache lives in `cache`."""
+    monkeypatch.setattr(numba.core.config, "CACHE_DIR", str(cache))
+    mod = ModuleType("cached")
+    mod.plus_one = numba.njit(cache=True)(lambda x: x + 1)
+    return mod
+
+
+def test_lightly_loaded_kernels_compile_on_a_miss_and_load_on_a_hit(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    from bitnet_cpu import kernel_cache
+
+    for expect_hits in (0, 1):  # an empty cache compiles (numba's compiler sets its context up); then it loads
+        mod = _cached_module(monkeypatch, tmp_path)
+        kernel_cache.load_lightly(mod)
+        assert "load_overload" in vars(mod.plus_one._cache)
+        assert mod.plus_one(41) == 42
+        assert sum(mod.plus_one.stats.cache_hits.values()) == expect_hits
+
+
+def test_a_numba_without_the_cache_hooks_loads_the_standard_way(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    from numba.core.caching import Cache
+
+    from bitnet_cpu import kernel_cache
+
+    mod = _cached_module(monkeypatch, tmp_path)
+    monkeypatch.delattr(Cache, "_load_overload")
+    kernel_cache.load_lightly(mod)
+    assert "load_overload" not in vars(mod.plus_one._cache)
