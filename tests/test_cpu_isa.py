@@ -82,6 +82,8 @@ def test_every_level_compiles_to_its_instructions(level: str, cpu: str | None, e
     # q8: the int8 LM head's dot, the same instructions (|w| unsigned, q with w's sign).
     asm = dot_ir.assembly(level, cpu, tile, per_block, q8)
     assert _instructions(asm) == expected
+    # The weight stream is prefetched non-temporally: it would evict everything else a decode step uses.
+    assert "prefetchnta" in asm and "prefetcht0" not in asm
 
 
 def test_the_compile_check_sees_a_missing_instruction() -> None:
