@@ -400,6 +400,15 @@ def test_softmax_exp_is_within_two_ulp() -> None:
     assert np.all((got >= 0) & (got < 1e-37))
 
 
+def test_silu_holds_at_any_magnitude(cpu_float: CpuProvider) -> None:
+    # silu's exp(-g) is exp_shifted's: past its upper clamp (g < -88) the exponent bits would overflow.
+    g = np.array([[-1e30, -200.0, -100.0, -88.5, -87.0, -20.0, -1e-6, 0.0, 1e-6, 20.0, 100.0, 1e30]], np.float32)
+    with np.errstate(over="ignore"):  # the reference's exp(-g) overflows to inf there: silu -> -0
+        want = REF.act_mul(g, np.ones_like(g), "silu")
+    got = cpu_float.act_mul(g, np.ones_like(g), "silu")
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-36)
+
+
 @pytest.mark.parametrize("n", [1, 5])
 def test_elementwise_kernels(cpu_float: CpuProvider, n: int) -> None:
     rng = np.random.default_rng(5 + n)
