@@ -5,8 +5,8 @@ shape), so it streams the F16 table once, converting in registers: numba has no 
 type, so an intrinsic reinterprets the uint16 bits as LLVM `half` and extends them
 (`vcvtph2ps` on F16C/AVX-512 hosts). The table is validated finite at load, so no NaN/Inf
 special cases are needed. Accumulation is float32 with LLVM free to reassociate (fastmath:
-several vector accumulators), within ~1e-6 relative of the float64 reference. The table is
-prefetched ahead of the sums: the hardware prefetcher alone streamed 7 GB/s on one thread and 12
+several vector accumulators), within ~1e-6 relative of the float64 reference. Each row first
+prefetches the next one: the hardware prefetcher alone streamed 7 GB/s on one thread and 12
 on two; with the hint, 8-9 and 15-22 (noisy shared machine, best of 5 each). The hint is
 non-temporal (`prefetchnta`), as for the ternary codes (see `dot_ir`): with the F16 head, 2-thread
 decode went from 8.8 to 9.5 tokens/s on a Zen 1 EPYC.
@@ -92,14 +92,6 @@ def _prefetch_row(table: np.ndarray, r: int) -> None:
         prefetch(start + c)
 
 
-# The one-token F16 head asks for the table _F16_AHEAD bytes ahead, a chunk's lines before each chunk of
-# _F16_CHUNK values. Requesting the whole next row at each row's start had left one thread converting at
-# 56 % of what vcvtph2ps sustains on a Zen 1 EPYC (the prefetches came in bursts of 80): a 128256 x 2560
-# head took 90 ms at 1 thread and 52 at 2; chunked, 74-75 and 40-41 (chunks of 128 and 512, and 8192
-# bytes ahead, measured slower).
-_F16_CHUNK, _F16_AHEAD = 256, 2048
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def lm_head_f16(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
     """out[0, v] = sum_i x[0, i] * float(table[v, i]), table the F16 bits as uint16 [vocab, dim]: one token.
@@ -110,13 +102,10 @@ def lm_head_f16(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.nd
     vocab, dim = table.shape
     for task in prange((vocab + rows_per_task - 1) // rows_per_task):
         for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
-            start = table.ctypes.data + r * table.strides[0] + _F16_AHEAD
+            _prefetch_row(table, r + 1)
             acc = np.float32(0.0)
-            for c0 in range(0, dim, _F16_CHUNK):
-                for b in range(0, 2 * _F16_CHUNK, 64):
-                    prefetch(start + 2 * c0 + b)
-                for i in range(c0, min(dim, c0 + _F16_CHUNK)):
-                    acc += _as_float(table[r, i]) * x[0, i]
+            for i in range(dim):
+                acc += _as_float(table[r, i]) * x[0, i]
             out[0, r] = acc
 
 
@@ -131,11 +120,10 @@ def lm_head_f16_batch(x: np.ndarray, table: np.ndarray, rows_per_task: int, out:
             _prefetch_row(table, r + 1)
             for i in range(dim):
                 row[i] = _as_float(table[r, i])
-            for t in range(n):  # summed chunk by chunk as lm_head_f16 does: a row's logits never depend on its batch
+            for t in range(n):
                 acc = np.float32(0.0)
-                for c0 in range(0, dim, _F16_CHUNK):
-                    for i in range(c0, min(dim, c0 + _F16_CHUNK)):
-                        acc += row[i] * x[t, i]
+                for i in range(dim):
+                    acc += row[i] * x[t, i]
                 out[t, r] = acc
 
 
