@@ -304,12 +304,12 @@ def test_dispatches_name_the_kernel(cpu: CpuProvider) -> None:
 # -- float kernels -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("vocab, n", [(1, 1), (1000, 1), (1537, 3)])
-def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, n: int) -> None:
+@pytest.mark.parametrize("vocab, dim, n", [(1, 320, 1), (1000, 320, 1), (1537, 320, 3), (700, 100, 6), (3, 7, 2)])
+def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, dim: int, n: int) -> None:
     rng = np.random.default_rng(vocab + n)
-    table = rng.standard_normal((vocab, 320)).astype(dtype)
+    table = rng.standard_normal((vocab, dim)).astype(dtype)
     table[0, :5] = [np.finfo(np.float16).tiny / 4, -0.0, 65504.0 / 512, 1e-7, -6e-8]  # F16 subnormals too
-    x = rng.standard_normal((n, 320)).astype(np.float32)
+    x = rng.standard_normal((n, dim)).astype(np.float32)
     got = cpu_float.lm_head(x, cpu_float.upload_float(table))
     want = REF.lm_head(x, REF.upload_float(table))
     assert got.shape == (n, vocab) and rel_err(got, want) < 1e-5
@@ -456,6 +456,9 @@ def test_float_kernels_are_batch_invariant(cpu_float: CpuProvider) -> None:
     for dtype in (np.float16, np.float32):
         table = cpu.upload_float(rng.standard_normal((1500, 512)).astype(dtype))
         ops[f"lm_head_{np.dtype(dtype).name}"] = lambda r, table=table: cpu.lm_head(r, table)
+        # 100 columns: 3 whole steps of the row dot and 4 summed one by one after them
+        narrow = cpu.upload_float(rng.standard_normal((300, 100)).astype(dtype))
+        ops[f"lm_head_{np.dtype(dtype).name}_100"] = lambda r, table=narrow: cpu.lm_head(r[:, :100], table)
     head_q8 = q8_table(rng.standard_normal((1500, 512)).astype(np.float16))
     ops["lm_head_q8"] = lambda r: cpu.lm_head_q8(r, head_q8)
     for name, op in ops.items():

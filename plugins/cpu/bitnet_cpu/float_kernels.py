@@ -2,14 +2,16 @@
 
 The LM head is half the bytes a decode step reads (128256 x 2560 F16 = 0.66 GB for the 2B-4T
 shape), so it streams the F16 table once, converting in registers: numba has no float16
-type, so an intrinsic reinterprets the uint16 bits as LLVM `half` and extends them
-(`vcvtph2ps` on F16C/AVX-512 hosts). The table is validated finite at load, so no NaN/Inf
-special cases are needed. Accumulation is float32 with LLVM free to reassociate (fastmath:
-several vector accumulators), within ~1e-6 relative of the float64 reference. Each row first
-prefetches the next one: the hardware prefetcher alone streamed 7 GB/s on one thread and 12
-on two; with the hint, 8-9 and 15-22 (noisy shared machine, best of 5 each). The hint is
-non-temporal (`prefetchnta`), as for the ternary codes (see `dot_ir`): with the F16 head, 2-thread
-decode went from 8.8 to 9.5 tokens/s on a Zen 1 EPYC.
+type, so the row dot (`emit_row_dot`, LLVM IR) reads the uint16 bits as LLVM `half` vectors and
+extends them (`vcvtph2ps` on F16C/AVX-512 hosts). The table is validated finite at load, so no
+NaN/Inf special cases are needed. Each token sums in float32 vector accumulators that persist over
+the whole row, in an order fixed by the IR and the same for one token as for a tile of them, so a
+token's logits never depend on its batch; they stay within ~1e-6 relative of the float64 reference.
+Each step of the row requests its own cache lines 2 KB ahead, non-temporally (`prefetchnta`, as for
+the ternary codes, see `dot_ir`). Before, each row requested the next row's 80 lines at its start
+and numba's loop summed it: on a Zen 1 EPYC the 2B-4T head took 88 ms on one thread and 50 on two,
+converting at 56 % of what `vcvtph2ps` sustains there (6.4 G values/s); it now takes 56 and 32 ms.
+A row is converted once per tile of HEAD_TILE tokens: 8 tokens took 377 -> 262 ms on one thread.
 """
 
 from __future__ import annotations
@@ -74,72 +76,137 @@ def _row_impl(cached: Any, p: Any, buf: Any) -> Any:
 def prefetch(typingctx: Any, addr: Any) -> Any:
     """A non-temporal read hint for the cache line at address `addr` (never faults, even past an array's end)."""
     def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 0),
-                          ir.Constant(i32, 1)])
+        _prefetch_at(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()))
         return context.get_dummy_value()
 
     return types.void(types.intp), codegen
 
 
-@njit(inline="always")
-def _prefetch_row(table: np.ndarray, r: int) -> None:
-    """Request every cache line of table row r: the next row, while this one is summed."""
-    start = table.ctypes.data + r * table.strides[0]
-    for c in range(0, table.shape[1] * table.itemsize, 64):
-        prefetch(start + c)
+_LANES, _N_ACC = 8, 4  # float32 lanes per accumulator, accumulators per token
+_STEP = _LANES * _N_ACC  # values a pass over a row takes per step
+_PREFETCH_BYTES = 2048  # how far ahead of the step being read the row's lines are requested
+HEAD_TILE = 4  # tokens per pass over a row: 4 x 4 accumulators fill AVX2's 16 registers
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def lm_head_f16(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
-    """out[0, v] = sum_i x[0, i] * float(table[v, i]), table the F16 bits as uint16 [vocab, dim]: one token.
+def emit_row_dot(b: ir.IRBuilder, args: list[ir.Value], tile: int, half: bool) -> None:
+    """The body of dot(w_addr, n, x_addr, x_stride, n_tok, out_addr), all i64: float32 out[t] = the
+    sum over i < n of w[i] * x_t[i], for w one table row (F16 with half, else float32) and up to `tile`
+    token rows x_t (float32, x_stride bytes apart; tokens past n_tok reuse the last and are not stored).
 
-    Decode and a prefill's last token; lm_head_f16_batch serves several (a separate function so
-    that a run compiles only what it calls).
+    Each token sums in _N_ACC vector accumulators that persist over the whole row, in the same order
+    at any tile: lanes, then accumulators, then lanes folded in halves, then the columns past the
+    last whole step one by one. A token's logits are thus the same bits alone or in a batch, while
+    each step requests its own cache lines _PREFETCH_BYTES ahead (the next row's too, near a row's
+    end), which keeps the F16 stream fed where a burst of requests at each row's start did not.
     """
-    vocab, dim = table.shape
-    for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-        for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
-            _prefetch_row(table, r + 1)
-            acc = np.float32(0.0)
-            for i in range(dim):
-                acc += _as_float(table[r, i]) * x[0, i]
-            out[0, r] = acc
+    w_i, n, x_i, xstride, ntok, out_i = args
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    elem, size = (ir.HalfType(), 2) if half else (f32, 4)
+    vf = ir.VectorType(f32, _LANES)
+    mod = b.module
+    fma_v = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{_LANES}f32")
+    fma_s = cgutils.get_or_insert_function(mod, ir.FunctionType(f32, [f32] * 3), "llvm.fmuladd.f32")
+    w_bytes = b.inttoptr(w_i, ir.IntType(8).as_pointer())
+    w = b.bitcast(w_bytes, elem.as_pointer())
+    last = b.sub(ntok, ir.Constant(i64, 1))
+    xs = []
+    for t in range(tile):
+        row = b.select(b.icmp_signed("<", ir.Constant(i64, t), ntok), ir.Constant(i64, t), last)
+        xs.append(b.inttoptr(b.add(x_i, b.mul(row, xstride)), f32.as_pointer()))
+    accs = [[cgutils.alloca_once_value(b, ir.Constant(vf, None)) for _ in range(_N_ACC)] for _ in range(tile)]
+    steps = b.sdiv(n, ir.Constant(i64, _STEP))
+    with cgutils.for_range(b, steps) as loop:
+        i0 = b.mul(loop.index, ir.Constant(i64, _STEP))
+        for line in range(0, _STEP * size, 64):
+            _prefetch_at(b, b.gep(w_bytes, [b.add(b.mul(i0, ir.Constant(i64, size)),
+                                                   ir.Constant(i64, _PREFETCH_BYTES + line))]))
+        for a in range(_N_ACC):
+            i = b.add(i0, ir.Constant(i64, a * _LANES))
+            wv = b.load(b.bitcast(b.gep(w, [i]), ir.VectorType(elem, _LANES).as_pointer()), align=size)
+            wv = b.fpext(wv, vf) if half else wv
+            for t in range(tile):
+                xv = b.load(b.bitcast(b.gep(xs[t], [i]), vf.as_pointer()), align=4)
+                b.store(b.call(fma_v, [wv, xv, b.load(accs[t][a])]), accs[t][a])
+    done = b.mul(steps, ir.Constant(i64, _STEP))
+    sums = []
+    for t in range(tile):
+        v = [b.load(a) for a in accs[t]]
+        v = b.fadd(b.fadd(v[0], v[1]), b.fadd(v[2], v[3]))
+        width = _LANES
+        while width > 1:
+            width //= 2
+            halves = [b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(k, k + width))))
+                      for k in (0, width)]
+            v = b.fadd(*halves)
+        sums.append(cgutils.alloca_once_value(b, b.extract_element(v, ir.Constant(i32, 0))))
+    with cgutils.for_range(b, b.sub(n, done)) as tail:
+        i = b.add(done, tail.index)
+        wi = b.load(b.gep(w, [i]))
+        wi = b.fpext(wi, f32) if half else wi
+        for t in range(tile):
+            b.store(b.call(fma_s, [wi, b.load(b.gep(xs[t], [i])), b.load(sums[t])]), sums[t])
+    out = b.inttoptr(out_i, f32.as_pointer())
+    for t in range(tile):
+        with b.if_then(b.icmp_signed("<", ir.Constant(i64, t), ntok)):
+            b.store(b.load(sums[t]), b.gep(out, [ir.Constant(i64, t)]))
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def lm_head_f16_batch(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
-    """lm_head_f16 for several tokens: each table row is converted once, then used by every token."""
-    vocab, dim = table.shape
-    n = x.shape[0]
-    for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-        row = np.empty(dim, np.float32)
-        for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
-            _prefetch_row(table, r + 1)
-            for i in range(dim):
-                row[i] = _as_float(table[r, i])
-            for t in range(n):
-                acc = np.float32(0.0)
-                for i in range(dim):
-                    acc += row[i] * x[t, i]
-                out[t, r] = acc
+def _prefetch_at(b: ir.IRBuilder, where: ir.Value) -> None:
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    b.call(fn, [where, ir.Constant(i32, 0), ir.Constant(i32, 0), ir.Constant(i32, 1)])  # read, stream, data
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+def _make_row_dot(tile: int, half: bool) -> Any:
+    @intrinsic
+    def dot(typingctx: Any, w_addr: Any, n: Any, x_addr: Any, x_stride: Any, n_tok: Any, out_addr: Any) -> Any:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            emit_row_dot(builder, list(args), tile, half)
+            return context.get_dummy_value()
+
+        return types.void(*[types.intp] * 6), codegen
+
+    return dot
+
+
+def _make_head(half: bool) -> Any:
+    """The LM head over a table of F16 bits (uint16: numba has no float16 arrays) or of float32."""
+    one, tile = _make_row_dot(1, half), _make_row_dot(HEAD_TILE, half)
+
+    @njit(inline="always")
+    def head(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
+        vocab, dim = table.shape
+        n, xstride = x.shape[0], x.strides[0]
+        for task in prange((vocab + rows_per_task - 1) // rows_per_task):
+            sums = np.empty(HEAD_TILE, np.float32)
+            for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
+                waddr = table.ctypes.data + r * table.strides[0]
+                for t0 in range(0, n, HEAD_TILE):
+                    nt = min(HEAD_TILE, n - t0)
+                    if nt == 1:
+                        one(waddr, dim, x.ctypes.data + t0 * xstride, xstride, 1, sums.ctypes.data)
+                    else:
+                        tile(waddr, dim, x.ctypes.data + t0 * xstride, xstride, nt, sums.ctypes.data)
+                    for i in range(nt):
+                        out[t0 + i, r] = sums[i]
+
+    return head
+
+
+_head_f16, _head_f32 = _make_head(True), _make_head(False)
+
+
+@njit(parallel=True, cache=True)
+def lm_head_f16(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
+    """out[t, v] = sum_i x[t, i] * float(table[v, i]), table the F16 bits as uint16 [vocab, dim]."""
+    _head_f16(x, table, rows_per_task, out)
+
+
+@njit(parallel=True, cache=True)
 def lm_head_f32(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
     """out[t, v] = sum_i x[t, i] * table[v, i] for a float32 table."""
-    vocab, dim = table.shape
-    n = x.shape[0]
-    for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-        for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
-            _prefetch_row(table, r + 1)
-            for t in range(n):
-                acc = np.float32(0.0)
-                for i in range(dim):
-                    acc += table[r, i] * x[t, i]
-                out[t, r] = acc
+    _head_f32(x, table, rows_per_task, out)
 
 
 @njit(fastmath=True, cache=True)  # fastmath lets the max vectorize; a max is exact in any order

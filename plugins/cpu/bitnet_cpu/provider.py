@@ -216,8 +216,7 @@ class CpuProvider(ReferenceProvider):
         out = np.empty((x.shape[0], table.shape[0]), dtype=np.float32)
         if table.dtype == np.float16:
             self.record("cpu.lm_head_f16")
-            kernel = fk.lm_head_f16 if x.shape[0] == 1 else fk.lm_head_f16_batch
-            kernel(x, np.ascontiguousarray(table).view(np.uint16), _LM_HEAD_ROWS, out)
+            fk.lm_head_f16(x, np.ascontiguousarray(table).view(np.uint16), _LM_HEAD_ROWS, out)
         else:
             self.record("cpu.lm_head_f32")
             fk.lm_head_f32(x, np.ascontiguousarray(table, dtype=np.float32), _LM_HEAD_ROWS, out)
