@@ -72,16 +72,6 @@ def _row_impl(cached: Any, p: Any, buf: Any) -> Any:
         return cached[p]
     return view
 
-@intrinsic
-def prefetch(typingctx: Any, addr: Any) -> Any:
-    """A non-temporal read hint for the cache line at address `addr` (never faults, even past an array's end)."""
-    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-        _prefetch_at(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()))
-        return context.get_dummy_value()
-
-    return types.void(types.intp), codegen
-
-
 _LANES, _N_ACC = 8, 4  # float32 lanes per accumulator, accumulators per token
 _STEP = _LANES * _N_ACC  # values a pass over a row takes per step
 _PREFETCH_BYTES = 2048  # how far ahead of the step being read the row's lines are requested
@@ -130,9 +120,10 @@ def emit_row_dot(b: ir.IRBuilder, args: list[ir.Value], tile: int, half: bool) -
     done = b.mul(steps, ir.Constant(i64, _STEP))
     sums = []
     for t in range(tile):
-        v = [b.load(a) for a in accs[t]]
-        v = b.fadd(b.fadd(v[0], v[1]), b.fadd(v[2], v[3]))
-        width = _LANES
+        parts = [b.load(a) for a in accs[t]]
+        while len(parts) > 1:  # accumulators added in pairs: (0 + 1) + (2 + 3)
+            parts = [b.fadd(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+        v, width = parts[0], _LANES
         while width > 1:
             width //= 2
             halves = [b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(k, k + width))))
@@ -158,14 +149,21 @@ def _prefetch_at(b: ir.IRBuilder, where: ir.Value, locality: int = 0) -> None:
     b.call(fn, [where, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])  # read, data
 
 
-@intrinsic
-def prefetch_keep(typingctx: Any, addr: Any) -> Any:
-    """A read hint for the cache line at `addr` that keeps it in the caches (prefetcht1), unlike `prefetch`."""
-    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-        _prefetch_at(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), 2)
-        return context.get_dummy_value()
+def _make_prefetch(locality: int) -> Any:
+    @intrinsic
+    def hint(typingctx: Any, addr: Any) -> Any:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            _prefetch_at(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), locality)
+            return context.get_dummy_value()
 
-    return types.void(types.intp), codegen
+        return types.void(types.intp), codegen
+
+    return hint
+
+
+# Read hints for the cache line at an address (they never fault, even past an array's end): `prefetch`
+# is non-temporal (prefetchnta, for what is streamed once), `prefetch_keep` keeps the line (prefetcht1).
+prefetch, prefetch_keep = _make_prefetch(0), _make_prefetch(2)
 
 
 def _make_row_dot(tile: int, half: bool) -> Any:
