@@ -4,7 +4,9 @@ Each measurement is a fresh process; ours and llama.cpp alternate within every r
 the same background load (the machines this runs on are shared), and the table shows medians
 of `--runs` with the ratios ours / llama.cpp. A memory-bandwidth probe (numba, the same thread
 count, with and without software prefetch, best of all runs) gives the decode ceiling: the
-bytes one decode step must read (ternary weights plus the LM head) over the probed GB/s. The
+bytes one decode step must read (ternary weights plus the LM head) over the probed GB/s. A multiply
+probe (the int8 multiply-add instruction of the kernels' ISA level, registers only, best of all runs)
+gives prefill's: the ternary products of one token over the probed products/s. The
 first-run JIT cost (empty numba cache) is measured once. "ready" is the load plus what the
 first forward pass costs beyond the same pass run again (work an engine defers past load: for
 ours, the linking of numba's cached kernels; llama.cpp has next to none). Load starts before the
@@ -211,6 +213,24 @@ def worker_bandwidth(threads: int) -> dict[str, Any]:
     return {"gbps": max(best.values()), "plain_gbps": best[False], "prefetch_gbps": best[True]}
 
 
+def worker_compute(threads: int) -> dict[str, Any]:
+    """int8 products/s of `threads` threads running the kernels' multiply-add instruction on registers, best of
+    5 (bitnet_cpu.dot_ir.emit_peak): what prefill, which reads each weight once for many tokens, cannot pass."""
+    import numba
+
+    from bitnet_cpu import dot_ir, isa
+
+    level = isa.choose()
+    if level == "generic":
+        return {"level": level, "gops": float("nan")}
+    probe = isa.kernels(level).multiply_peak
+    numba.set_num_threads(threads)
+    rounds = 5_000_000
+    probe(1000, threads)
+    seconds = min(_timed(probe, rounds, threads) for _ in range(5))
+    return {"level": level, "gops": threads * rounds * dot_ir.peak_products(level) / seconds / 1e9}
+
+
 def _timed(f: Any, *args: Any) -> float:
     t0 = time.perf_counter()
     f(*args)
@@ -234,9 +254,20 @@ def decode_bytes(model: str, lm_head: str) -> tuple[int, str]:
     head = next(t for t in r.tensors if t.name == name)
     fmt = choose_lm_head(lm_head, type_name(int(head.tensor_type)))
     head_bytes = int(head.n_elements) + 4 * int(head.shape[1]) if fmt == "q8" else int(head.n_bytes)  # int8, scales
-    projection = [t for t in r.tensors if t.name.startswith("blk.") and t.name.endswith(".weight")
-                  and "norm" not in t.name]
-    return sum(int(t.n_bytes) for t in projection) + head_bytes, fmt
+    return sum(int(t.n_bytes) for t in _projections(r)) + head_bytes, fmt
+
+
+def token_products(model: str) -> int:
+    """The ternary products one token costs (every projection's rows x columns; the LM head, which prefill
+    runs for one token only, not counted)."""
+    from bitnet.modelfile.model import _open
+
+    return sum(int(t.n_elements) for t in _projections(_open(model)))
+
+
+def _projections(reader: Any) -> list[Any]:
+    return [t for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith(".weight")
+            and "norm" not in t.name]
 
 
 def spawn(kind: str, args: argparse.Namespace, model: str, threads: int,
@@ -275,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             out = worker_accuracy(args.model, args.act_quant)
         elif args.worker == "llama":
             out = worker_llama(args.model, threads[0], args.prompt_tokens, args.decode_tokens)
+        elif args.worker == "compute":
+            out = worker_compute(threads[0])
         else:
             out = worker_bandwidth(threads[0])
         workers.result(out)
@@ -295,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     size_mb = os.path.getsize(args.model) / 2**20
     step_bytes, head_format = decode_bytes(args.model, args.lm_head)
     step_gb = step_bytes / 1e9
+    products = token_products(args.model)
     log = sys.stderr
     print(f"model {args.model} ({size_mb:.0f} MiB), llama.cpp on {llama_model}; prompt {args.prompt_tokens}, "
           f"decode {args.decode_tokens} tokens, {args.runs} runs, act_quant {args.act_quant}, "
@@ -306,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first run, empty numba cache: warm-up {jit['warmup_s']:.1f} s (cached runs below)", file=log)
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     bandwidth = dict.fromkeys(threads, 0.0)  # the best probe of all runs: background load only lowers it
+    compute, level = dict.fromkeys(threads, 0.0), "generic"
     engines = ["ours", "llama"] + (["bitnet.cpp"] if args.bitnet_cpp else [])
     names = {"ours": "ours", "llama": "llama.cpp", "bitnet.cpp": "bitnet.cpp"}
     if args.busy:
@@ -314,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(args.runs):
             for t in threads:
                 bandwidth[t] = max(bandwidth[t], spawn("bandwidth", args, args.model, t)["gbps"])
+                probe = spawn("compute", args, args.model, t)
+                compute[t], level = max(compute[t], probe["gops"]), probe["level"]
                 for kind in engines[run % len(engines):] + engines[:run % len(engines)]:  # each goes first in turn
                     if kind == "bitnet.cpp":
                         r = bitnet_cpp(args.bitnet_cpp, args.bitnet_cpp_model or args.model, t, args.prompt_tokens,
@@ -350,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ratios['load_s']:>8.2f}{ratios['ready_s']:>8.2f}{ratios['rss_mb']:>9.2f}")
         print(f"{t:>3} bandwidth probe {bandwidth[t]:.1f} GB/s; spread = max/min decode over the runs; "
               "ready = load + what the first forward pass costs beyond a second one")
+        if level != "generic":
+            limit = compute[t] * 1e9 / products
+            shares = ", ".join(f"{names[k]} {med(k, t, 'prefill_tps') / limit:.0%}" for k in engines)
+            print(f"{t:>3} multiply probe ({level}) {compute[t]:.1f} G int8 products/s: prefill limit {limit:.2f} t/s "
+                  f"at {products / 1e9:.2f} G ternary products per token; prefill at {shares} of it")
     accuracy = spawn("accuracy", args, args.model, threads[-1]) if head_format == "q8" else {}
     if accuracy:
         print(f"LM head q8 vs f16 over {accuracy['positions']} positions of the cross-validation prompts: "
@@ -359,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
               f"kernels: {', '.join(jit['kernels'])}")
     if args.json:
         runs = {f"{k}:{t}": v for (k, t), v in results.items()}
-        args.json.write_text(json.dumps({"runs": runs, "bandwidth_gbps": bandwidth, "jit": jit,
+        args.json.write_text(json.dumps({"runs": runs, "bandwidth_gbps": bandwidth, "multiply_gops": compute,
+                                         "multiply_level": level, "products_per_token": products, "jit": jit,
                                          "decode_gb": step_gb, "lm_head": head_format, "lm_head_accuracy": accuracy},
                                         indent=1))
     return 0

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bitnet.errors import UsageError
@@ -97,6 +98,39 @@ def test_unknown_level_is_refused_by_the_emitter() -> None:
     with pytest.raises(ValueError, match="unknown ISA level"):
         dot_ir.dot_module("sse9")
 
+
+# -- the multiply-add probe the benchmarks time (dot_ir.emit_peak) --------------------------------------------
+
+@pytest.mark.parametrize("level, expected", [("avx512vnni", {"vpdpbusd zmm"}), ("avxvnni", {"{vex} vpdpbusd ymm"}),
+                                             ("avx2", {"vpmaddubsw ymm"})])
+def test_the_probe_compiles_to_the_level_instruction(level: str, expected: set[str]) -> None:
+    # The instruction the level's dot products multiply with, and nothing else of the kind.
+    assert _instructions(dot_ir.assembly(level, peak=True)) == expected
+    with pytest.raises(ValueError, match="no multiply-add instruction"):
+        dot_ir.dot_module("generic", peak=True)
+
+
+def _maddubs_probe(n_iter: int) -> int:
+    """emit_peak's avx2 checksum in NumPy: s += pmaddubsw(s's bytes unsigned, q), int16 lanes that wrap."""
+    total = 0
+    for k in range(dot_ir.PEAK_CHAINS):
+        q = np.array([(7 * (k % 2) + j) % 251 - 125 for j in range(32)], np.int32)
+        s = np.full(16, k + 1, np.int16)
+        for _ in range(n_iter):
+            products = s.view(np.uint8).astype(np.int32) * q
+            pairs = np.clip(products[0::2] + products[1::2], -32768, 32767)  # pmaddubsw saturates
+            s = (s.astype(np.int32) + pairs).astype(np.int16)
+        total += int(s.astype(np.int64).sum())
+    return total
+
+
+@pytest.mark.skipif("avx2" not in LEVELS, reason="this CPU lacks AVX2")
+def test_the_probe_computes_what_its_instructions_do() -> None:
+    # Each thread's chains run every round (an update hoisted out of the loop or a dead chain would change
+    # the sum), and two threads add their checksums.
+    kernels = isa.kernels("avx2")
+    assert kernels.multiply_peak(5, 2) == 2 * _maddubs_probe(5)
+    assert _maddubs_probe(5) != _maddubs_probe(4) != _maddubs_probe(1)  # the check tells round counts apart
 
 # -- one disk cache per level, and the first-run announcement -----------------------------------------------
 

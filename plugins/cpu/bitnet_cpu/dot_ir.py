@@ -78,6 +78,11 @@ def _declare(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) ->
     return cgutils.get_or_insert_function(module, ir.FunctionType(ret, args), name)
 
 
+def _width(isa: str) -> int:
+    """Bytes per vector register of a level."""
+    return 64 if isa in ("avx512vnni", "generic") else 32
+
+
 class _Block:
     """Emits one level's accumulators and per-256-block update."""
 
@@ -86,7 +91,7 @@ class _Block:
             raise ValueError(f"unknown ISA level {isa!r}")
         self.b, self.isa = builder, isa
         self.vnni = isa in _VNNI
-        self.width = 64 if isa in ("avx512vnni", "generic") else 32  # bytes per vector register
+        self.width = _width(isa)
         mod = builder.module
         if self.vnni:
             self.lanes = self.width // 4
@@ -318,6 +323,50 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
         _store(b, out, ntok, t, ir.Constant(_I64, t), acc if blk.lanes == 1 else b.call(blk.reduce, [acc]))
 
 
+# -- the multiply-add probe: what a level's instruction can do on this core, for the benchmarks ----------
+
+PEAK_CHAINS = 12  # independent accumulators: more than latency x throughput of either instruction
+
+
+def peak_products(isa: str) -> int:
+    """int8 products per round of emit_peak: PEAK_CHAINS instructions of the level's width."""
+    return PEAK_CHAINS * _width(isa) if isa != "generic" else 0
+
+
+def emit_peak(builder: ir.IRBuilder, n_iter: ir.Value, isa: str) -> ir.Value:
+    """The body of peak(n_iter) -> i64: n_iter rounds of the level's int8 multiply-add on registers only,
+    PEAK_CHAINS independent accumulators, so its rate is the bound its dot products cannot pass
+    (prefill and batched decode are bound by it, not by memory).
+
+    avx2: s = s + pmaddubsw(s as bytes, q) in int16 lanes; VNNI: acc = vpdpbusd(acc, acc as bytes, q).
+    Each update reads its accumulator, so nothing leaves the loop; the result is the sum of every lane
+    (int16 lanes wrap, as the instructions do), so nothing is dead.
+    """
+    if isa == "generic":
+        raise ValueError("the generic level has no multiply-add instruction to probe")
+    b, blk = builder, _Block(builder, isa)
+    n = blk.width
+    v8 = _vec(_I8, n)
+    acc_t = blk.acc_type if blk.vnni else _vec(_I16, 16)
+    lanes = acc_t.count
+    qs = [ir.Constant(v8, [ir.Constant(_I8, (7 * k + j) % 251 - 125) for j in range(n)]) for k in range(2)]
+    accs = [cgutils.alloca_once_value(b, ir.Constant(acc_t, [ir.Constant(acc_t.element, k + 1)] * lanes))
+            for k in range(PEAK_CHAINS)]
+    with cgutils.for_range(b, n_iter):
+        for k, a in enumerate(accs):
+            s, q = b.load(a), qs[k % 2]
+            if blk.vnni:
+                s = b.call(blk.dpbusd, [s, s, b.bitcast(q, acc_t)])
+            else:
+                s = b.add(s, b.call(blk.maddubs, [b.bitcast(s, v8), q]))
+            b.store(s, a)
+    reduce = _declare(b.module, f"llvm.vector.reduce.add.v{lanes}i64", _I64, [_vec(_I64, lanes)])
+    total = ir.Constant(_I64, 0)
+    for a in accs:
+        total = b.add(total, b.call(reduce, [b.sext(b.load(a), _vec(_I64, lanes))]))
+    return total
+
+
 # -- compile checks: a level's IR compiled for a CPU that has it, on any host --------------------------
 
 # A CPU model with each level (LLVM names), for compiling a level the host may lack.
@@ -325,12 +374,17 @@ CHECK_CPU = {"avx512vnni": "icelake-server", "avxvnni": "alderlake", "avx2": "ha
 _TRIPLE = "x86_64-unknown-linux-gnu"
 
 
-def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = False) -> str:
-    """LLVM IR text of a module holding one dot function of this level (emit_dot, or with q8 emit_q8_dot)."""
-    module = ir.Module(name=f"{'q8' if q8 else 'ternary'}_dot_{isa}")
+def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = False, peak: bool = False) -> str:
+    """LLVM IR text of a module holding one function of this level: emit_dot, with q8 emit_q8_dot, with peak
+    emit_peak."""
+    module = ir.Module(name=f"{'peak' if peak else 'q8' if q8 else 'ternary'}_dot_{isa}")
     module.triple = _TRIPLE
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_I64] * (6 if q8 else 7)), name="dot")
+    ret = _I64 if peak else ir.VoidType()
+    fn = ir.Function(module, ir.FunctionType(ret, [_I64] * (1 if peak else 6 if q8 else 7)), name="dot")
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    if peak:
+        builder.ret(emit_peak(builder, fn.args[0], isa))
+        return str(module)
     if q8:
         emit_q8_dot(builder, list(fn.args), tile, isa)
     else:
@@ -339,8 +393,10 @@ def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = F
     return str(module)
 
 
-def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool = False, q8: bool = False) -> str:
-    """x86-64 assembly of this level's dot for `cpu` (default CHECK_CPU[isa]), optimized as numba would.
+def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool = False, q8: bool = False,
+             peak: bool = False) -> str:
+    """x86-64 assembly of this level's dot (or probe) for `cpu` (default CHECK_CPU[isa]), optimized as numba
+    would.
 
     Nothing is executed: this is how a level the host lacks is checked, since numba compiles
     for the host only and LLVM aborts the process on an intrinsic the target cannot select.
@@ -349,7 +405,7 @@ def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool
 
     llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
-    mod = llvm.parse_assembly(dot_module(isa, tile, per_block, q8))
+    mod = llvm.parse_assembly(dot_module(isa, tile, per_block, q8, peak))
     mod.verify()
     machine = llvm.Target.from_triple(_TRIPLE).create_target_machine(cpu=cpu or CHECK_CPU[isa], opt=3)
     builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))

@@ -32,7 +32,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, WIDE, WIDE_BYTES, emit_dot, emit_q8_dot
+from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, WIDE, WIDE_BYTES, emit_dot, emit_peak, emit_q8_dot
 
 try:  # set by bitnet_cpu.isa.build() before it runs this module
     ISA: str = globals()["ISA"]
@@ -69,6 +69,25 @@ def _make_q8_dot(tile: int) -> Callable[..., Any]:
         return types.void(*[types.intp] * 6), codegen
 
     return q8dot
+
+
+@intrinsic
+def _peak(typingctx: Any, n_iter: Any) -> Any:
+    """peak(n_iter) -> int64 (see emit_peak; the generic level has none)."""
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+        return emit_peak(builder, args[0], ISA)
+
+    return types.int64(types.intp), codegen
+
+
+@njit(parallel=True, cache=CACHE)
+def multiply_peak(n_iter: int, parts: int) -> int:
+    """The multiply-add probe (dot_ir.emit_peak) run n_iter rounds on each of `parts` threads: the summed
+    checksums. The benchmarks time it; dot_ir.peak_products gives the int8 products per round."""
+    out = np.zeros(parts, np.int64)
+    for p in prange(parts):
+        out[p] = _peak(n_iter)
+    return out.sum()
 
 
 # One, two and TILE tokens per pass: a pass computes all of its width, so two tokens (two sequences
