@@ -105,9 +105,9 @@ def test_unknown_level_is_refused_by_the_emitter() -> None:
                                              ("avx2", {"vpmaddubsw ymm"})])
 def test_the_probe_compiles_to_the_level_instruction(level: str, expected: set[str]) -> None:
     # The instruction the level's dot products multiply with, and nothing else of the kind.
-    assert _instructions(dot_ir.assembly(level, peak=True)) == expected
+    assert _instructions(dot_ir.peak_assembly(level)) == expected
     with pytest.raises(ValueError, match="no multiply-add instruction"):
-        dot_ir.dot_module("generic", peak=True)
+        dot_ir.peak_module("generic")
 
 
 def _maddubs_probe(n_iter: int) -> int:
