@@ -64,12 +64,17 @@ def test_import_does_not_load_numba() -> None:
 
 def test_cached_kernels_run_without_numbas_compiler() -> None:
     # numba's cache loader sets its compiler's context up first: 0.3-0.4 s of imports (numba.cpython.listobj
-    # among them) that running machine code never needs. A model's prompt and decode steps run without it.
-    # The first process may compile (a cold cache compiles, and a compile needs the context); the second loads.
-    code = ("import sys, bitnet; e = bitnet.load(device='cpu'); e.provider.n_threads = 2; "
-            "''.join(e.generate('To be', max_tokens=4)); print('numba.cpython.listobj' in sys.modules)")
-    _fresh_process(code)
-    assert _fresh_process(code).split() == ["False"]
+    # among them) that running machine code never needs; and it imports the module of every numba function
+    # inlined into a kernel (numba.np.arrayobj, for np.empty) to hold globals only object mode reads. A model's
+    # prompt and decode steps run without either, and generate what they generate with both imported first.
+    # The first process may compile (a cold cache compiles, and a compile needs the context); the others load.
+    run = ("import sys, bitnet; e = bitnet.load(device='cpu'); e.provider.n_threads = 2; "
+           "print(repr(''.join(e.generate('To be', max_tokens=8))), "
+           "'numba.cpython.listobj' in sys.modules, 'numba.np.arrayobj' in sys.modules)")
+    _fresh_process(run)
+    text, *imported = _fresh_process(run).rsplit(maxsplit=2)
+    assert imported == ["False", "False"]
+    assert _fresh_process("import numba.np.arrayobj; " + run).rsplit(maxsplit=2) == [text, "False", "True"]
 
 
 def _cached_module(monkeypatch: pytest.MonkeyPatch, cache: Path) -> ModuleType:
