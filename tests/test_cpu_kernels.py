@@ -524,3 +524,21 @@ def test_providers_of_different_thread_counts_take_turns_in_one_thread() -> None
         p.bitlinear(x, p.upload_ternary(w), "row")
         seen.append(numba.get_num_threads())
     assert seen == [1, 2, 1, 2]
+
+
+def test_long_bitlinear_tasks_are_handed_out_one_at_a_time() -> None:
+    # A prefill's BitLinear tasks go one by one to whichever thread is free, so a core a co-tenant takes
+    # does fewer of them; a decode step's short tasks, and the other kernels, keep one share per thread.
+    from bitnet_cpu.provider import _LONG_TASK_TOKENS
+
+    p = provider(2)
+    rng = np.random.default_rng(9)
+    w = p.upload_ternary(ternary(rng, 200, 256, False))
+    table = rng.standard_normal((300, 256)).astype(np.float16)
+    seen = []
+    for n in (_LONG_TASK_TOKENS, _LONG_TASK_TOKENS - 1, _LONG_TASK_TOKENS):
+        p.bitlinear(rng.standard_normal((n, 256)).astype(np.float32), w, "row")
+        seen.append(numba.get_parallel_chunksize())
+    p.lm_head(rng.standard_normal((_LONG_TASK_TOKENS, 256)).astype(np.float32), table)
+    seen.append(numba.get_parallel_chunksize())
+    assert seen == [1, 0, 1, 0]
