@@ -15,7 +15,7 @@ functions are all nopython, so an environment of a numba module not yet imported
 and an empty module namespace.
 
 This reaches into numba's cache (`Dispatcher._cache`, `Cache._load_overload`, `_rebuild_env`); where a
-numba version lacks those, the kernels load the standard way, slower and just as correct.
+numba version lacks one of those, that part loads the standard way, slower and just as correct.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def runtime_ready() -> None:
 
 def load_lightly(module: ModuleType) -> None:
     """Make each disk-cached kernel of `module` load from its cache without the context refresh."""
-    if not all(hasattr(Cache, name) for name in ("_load_overload", "_guard_against_spurious_io_errors")) or \
-            not hasattr(environment, "_rebuild_env"):
+    if not all(hasattr(Cache, name) for name in ("_load_overload", "_guard_against_spurious_io_errors")):
         return
     for obj in vars(module).values():
         cache = getattr(obj, "_cache", None)
@@ -50,13 +49,15 @@ def load_lightly(module: ModuleType) -> None:
 def _load_overload(cache: Cache, sig: Any, target_context: Any) -> Any:
     runtime_ready()
     # numba calls this under its global compiler lock, so no other load sees the swapped function.
-    rebuild = environment._rebuild_env
-    environment._rebuild_env = functools.partial(_rebuild_env, rebuild)
+    rebuild = getattr(environment, "_rebuild_env", None)
+    if rebuild is not None:
+        environment._rebuild_env = functools.partial(_rebuild_env, rebuild)
     try:
         with cache._guard_against_spurious_io_errors():
             return cache._load_overload(sig, target_context)
     finally:
-        environment._rebuild_env = rebuild
+        if rebuild is not None:
+            environment._rebuild_env = rebuild
     return None  # the guard swallowed an I/O error: compile instead, as numba's own loader does
 
 
