@@ -2,16 +2,19 @@
 
 The LM head is half the bytes a decode step reads (128256 x 2560 F16 = 0.66 GB for the 2B-4T
 shape), so it streams the F16 table once, converting in registers: numba has no float16
-type, so the row dot (`emit_row_dot`, LLVM IR) reads the uint16 bits as LLVM `half` vectors and
+type, so the dot (`emit_rows_dot`, LLVM IR) reads the uint16 bits as LLVM `half` vectors and
 extends them (`vcvtph2ps` on F16C/AVX-512 hosts). The table is validated finite at load, so no
-NaN/Inf special cases are needed. Each token sums in float32 vector accumulators that persist over
-the whole row, in an order fixed by the IR and the same for one token as for a tile of them, so a
-token's logits never depend on its batch; they stay within ~1e-6 relative of the float64 reference.
-Each step of the row requests its own cache lines 2 KB ahead, non-temporally (`prefetchnta`, as for
-the ternary codes, see `dot_ir`). Before, each row requested the next row's 80 lines at its start
-and numba's loop summed it: on a Zen 1 EPYC the 2B-4T head took 88 ms on one thread and 50 on two,
-converting at 56 % of what `vcvtph2ps` sustains there (6.4 G values/s); it now takes 56 and 32 ms.
-A row is converted once per tile of HEAD_TILE tokens: 8 tokens took 377 -> 262 ms on one thread.
+NaN/Inf special cases are needed. Each (row, token) sums in two float32 vector accumulators that
+take alternate 8-column steps over the whole row, in an order fixed by the IR and the same however
+many rows and tokens a pass takes, so a token's logits never depend on its batch; they stay within
+~1e-6 relative of the float64 reference. A pass takes one or two tokens over two rows, or four
+tokens over one row: each converted vector serves every token of the pass, each token vector every
+row, and 8 accumulators at most leave AVX2's other registers to the operands (16 spilled). Each
+step requests the next pass's rows as far along as it is, non-temporally (`prefetchnta`, as for
+the ternary codes, see `dot_ir`): one linear stream, where each row requesting its own lines ahead
+streamed DRAM 15-40 % slower with several rows per pass. On a Zen 1 EPYC (2026-11, 128256 x 2560,
+medians, one thread / two): one token 55 / 29 ms (54 / 28 when a row and its four tokens took a
+pass of 16 accumulators), two 70 / 36 ms (131 / 70-86), eight 198 / 105 ms (256 / 131).
 """
 
 from __future__ import annotations
@@ -72,74 +75,83 @@ def _row_impl(cached: Any, p: Any, buf: Any) -> Any:
         return cached[p]
     return view
 
-_LANES, _N_ACC = 8, 4  # float32 lanes per accumulator, accumulators per token
-_STEP = _LANES * _N_ACC  # values a pass over a row takes per step
-_PREFETCH_BYTES = 2048  # how far ahead of the step being read the row's lines are requested
-HEAD_TILE = 4  # tokens per pass over a row: 4 x 4 accumulators fill AVX2's 16 registers
+_ACCS = 2  # accumulators per (row, token), taking alternate lane steps: two FMA chains in flight
+_PASSES = ((1, 2), (2, 2), (4, 1))  # (tokens, table rows) per pass: at most 8 of AVX2's 16 registers accumulate
+_LANES = 8  # float32 lanes of an accumulator (one AVX2 register)
+_UNROLL = 4  # lane steps per loop iteration: one 64-byte line of an F16 row
+_STEP = _LANES * _UNROLL
 
 
-def emit_row_dot(b: ir.IRBuilder, args: list[ir.Value], tile: int, half: bool) -> None:
-    """The body of dot(w_addr, n, x_addr, x_stride, n_tok, out_addr), all i64: float32 out[t] = the
-    sum over i < n of w[i] * x_t[i], for w one table row (F16 with half, else float32) and up to `tile`
-    token rows x_t (float32, x_stride bytes apart; tokens past n_tok reuse the last and are not stored).
+def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, half: bool) -> None:
+    """The body of dot(w_addr, w_stride, n, x_addr, x_stride, n_tok, out_addr, out_stride), all i64:
+    float32 out[t][r] = the sum over i < n of w_r[i] * x_t[i], for `rows` table rows w_r (F16 with
+    half, else float32; w_stride bytes apart) and up to `tile` token rows x_t (float32, x_stride bytes
+    apart; tokens past n_tok reuse the last and are not stored), out rows out_stride bytes apart.
 
-    Each token sums in _N_ACC vector accumulators that persist over the whole row, in the same order
-    at any tile: lanes, then accumulators, then lanes folded in halves, then the columns past the
-    last whole step one by one. A token's logits are thus the same bits alone or in a batch, while
-    each step requests its own cache lines _PREFETCH_BYTES ahead (the next row's too, near a row's
-    end), which keeps the F16 stream fed where a burst of requests at each row's start did not.
+    Each (row, token) sums in one vector accumulator over the whole row, 8 columns at a time in
+    column order, then its lanes folded in halves, then the columns past the last whole lane step
+    one by one: the same order for any rows x tile, so a token's logits are the same bits alone or
+    in a batch. rows x tile independent accumulators keep the FMA pipes busy, and a converted F16
+    vector serves all `tile` tokens, an x vector all `rows` rows.
     """
-    w_i, n, x_i, xstride, ntok, out_i = args
+    w_i, w_stride, n, x_i, xstride, ntok, out_i, out_stride = args
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     elem, size = (ir.HalfType(), 2) if half else (f32, 4)
     vf = ir.VectorType(f32, _LANES)
     mod = b.module
     fma_v = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{_LANES}f32")
     fma_s = cgutils.get_or_insert_function(mod, ir.FunctionType(f32, [f32] * 3), "llvm.fmuladd.f32")
-    w_bytes = b.inttoptr(w_i, ir.IntType(8).as_pointer())
-    w = b.bitcast(w_bytes, elem.as_pointer())
+    i8p = ir.IntType(8).as_pointer()
+    ws = [b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, r), w_stride)), elem.as_pointer()) for r in range(rows)]
+    ahead = b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, rows), w_stride)), i8p)
     last = b.sub(ntok, ir.Constant(i64, 1))
     xs = []
     for t in range(tile):
         row = b.select(b.icmp_signed("<", ir.Constant(i64, t), ntok), ir.Constant(i64, t), last)
         xs.append(b.inttoptr(b.add(x_i, b.mul(row, xstride)), f32.as_pointer()))
-    accs = [[cgutils.alloca_once_value(b, ir.Constant(vf, None)) for _ in range(_N_ACC)] for _ in range(tile)]
-    steps = b.sdiv(n, ir.Constant(i64, _STEP))
-    with cgutils.for_range(b, steps) as loop:
+    accs = [[[cgutils.alloca_once_value(b, ir.Constant(vf, None)) for _ in range(_ACCS)] for _ in range(tile)]
+            for _ in range(rows)]
+
+    def lane_step(i: ir.Value, a: int) -> None:
+        wv = [b.load(b.bitcast(b.gep(w, [i]), ir.VectorType(elem, _LANES).as_pointer()), align=size) for w in ws]
+        wv = [b.fpext(v, vf) for v in wv] if half else wv
+        for t in range(tile):
+            xv = b.load(b.bitcast(b.gep(xs[t], [i]), vf.as_pointer()), align=4)
+            for r in range(rows):
+                b.store(b.call(fma_v, [wv[r], xv, b.load(accs[r][t][a])]), accs[r][t][a])
+
+    with cgutils.for_range(b, b.sdiv(n, ir.Constant(i64, _STEP))) as loop:
         i0 = b.mul(loop.index, ir.Constant(i64, _STEP))
-        for line in range(0, _STEP * size, 64):
-            _prefetch_at(b, b.gep(w_bytes, [b.add(b.mul(i0, ir.Constant(i64, size)),
-                                                   ir.Constant(i64, _PREFETCH_BYTES + line))]))
-        for a in range(_N_ACC):
-            i = b.add(i0, ir.Constant(i64, a * _LANES))
-            wv = b.load(b.bitcast(b.gep(w, [i]), ir.VectorType(elem, _LANES).as_pointer()), align=size)
-            wv = b.fpext(wv, vf) if half else wv
-            for t in range(tile):
-                xv = b.load(b.bitcast(b.gep(xs[t], [i]), vf.as_pointer()), align=4)
-                b.store(b.call(fma_v, [wv, xv, b.load(accs[t][a])]), accs[t][a])
-    done = b.mul(steps, ir.Constant(i64, _STEP))
-    sums = []
-    for t in range(tile):
-        parts = [b.load(a) for a in accs[t]]
-        while len(parts) > 1:  # accumulators added in pairs: (0 + 1) + (2 + 3)
-            parts = [b.fadd(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
-        v, width = parts[0], _LANES
-        while width > 1:
-            width //= 2
-            halves = [b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(k, k + width))))
-                      for k in (0, width)]
-            v = b.fadd(*halves)
-        sums.append(cgutils.alloca_once_value(b, b.extract_element(v, ir.Constant(i32, 0))))
+        for line in range(0, rows * _STEP * size, 64):  # the next pass's rows, as far along as this pass is
+            _prefetch_at(b, b.gep(ahead, [b.add(b.mul(i0, ir.Constant(i64, rows * size)), ir.Constant(i64, line))]))
+        for u in range(_UNROLL):
+            lane_step(b.add(i0, ir.Constant(i64, u * _LANES)), u % _ACCS)
+    done = b.mul(b.sdiv(n, ir.Constant(i64, _STEP)), ir.Constant(i64, _STEP))
+    with cgutils.for_range(b, b.sdiv(b.sub(n, done), ir.Constant(i64, _LANES))) as loop:
+        lane_step(b.add(done, b.mul(loop.index, ir.Constant(i64, _LANES))), 0)
+    done = b.mul(b.sdiv(n, ir.Constant(i64, _LANES)), ir.Constant(i64, _LANES))
+    sums = [[None] * tile for _ in range(rows)]
+    for r in range(rows):
+        for t in range(tile):
+            v, width = b.fadd(*[b.load(a) for a in accs[r][t]]), _LANES
+            while width > 1:
+                width //= 2
+                halves = [b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(k, k + width))))
+                          for k in (0, width)]
+                v = b.fadd(*halves)
+            sums[r][t] = cgutils.alloca_once_value(b, b.extract_element(v, ir.Constant(i32, 0)))
     with cgutils.for_range(b, b.sub(n, done)) as tail:
         i = b.add(done, tail.index)
-        wi = b.load(b.gep(w, [i]))
-        wi = b.fpext(wi, f32) if half else wi
-        for t in range(tile):
-            b.store(b.call(fma_s, [wi, b.load(b.gep(xs[t], [i])), b.load(sums[t])]), sums[t])
-    out = b.inttoptr(out_i, f32.as_pointer())
+        for r in range(rows):
+            wi = b.load(b.gep(ws[r], [i]))
+            wi = b.fpext(wi, f32) if half else wi
+            for t in range(tile):
+                b.store(b.call(fma_s, [wi, b.load(b.gep(xs[t], [i])), b.load(sums[r][t])]), sums[r][t])
     for t in range(tile):
         with b.if_then(b.icmp_signed("<", ir.Constant(i64, t), ntok)):
-            b.store(b.load(sums[t]), b.gep(out, [ir.Constant(i64, t)]))
+            out = b.inttoptr(b.add(out_i, b.mul(ir.Constant(i64, t), out_stride)), f32.as_pointer())
+            for r in range(rows):
+                b.store(b.load(sums[r][t]), b.gep(out, [ir.Constant(i64, r)]))
 
 
 def _prefetch_at(b: ir.IRBuilder, where: ir.Value, locality: int = 0) -> None:
@@ -166,38 +178,53 @@ def _make_prefetch(locality: int) -> Any:
 prefetch, prefetch_keep = _make_prefetch(0), _make_prefetch(2)
 
 
-def _make_row_dot(tile: int, half: bool) -> Any:
+def _make_rows_dot(rows: int, tile: int, half: bool) -> Any:
     @intrinsic
-    def dot(typingctx: Any, w_addr: Any, n: Any, x_addr: Any, x_stride: Any, n_tok: Any, out_addr: Any) -> Any:
+    def dot(typingctx: Any, w_addr: Any, w_stride: Any, n: Any, x_addr: Any, x_stride: Any, n_tok: Any,
+            out_addr: Any, out_stride: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_row_dot(builder, list(args), tile, half)
+            emit_rows_dot(builder, list(args), rows, tile, half)
             return context.get_dummy_value()
 
-        return types.void(*[types.intp] * 6), codegen
+        return types.void(*[types.intp] * 8), codegen
 
     return dot
 
 
+def _make_pass(tile: int, rows: int, half: bool) -> Any:
+    """Rows lo..hi of the head for any number of tokens, `tile` tokens and `rows` rows per pass."""
+    whole, single = _make_rows_dot(rows, tile, half), _make_rows_dot(1, 1, half)
+
+    @njit(inline="always")
+    def rows_pass(x: np.ndarray, table: np.ndarray, lo: int, hi: int, out: np.ndarray) -> None:
+        n, dim, xstride, wstride, ostride = x.shape[0], table.shape[1], x.strides[0], table.strides[0], out.strides[0]
+        for r in range(lo, hi - rows + 1, rows):
+            for t0 in range(0, n, tile):
+                whole(table.ctypes.data + r * wstride, wstride, dim, x.ctypes.data + t0 * xstride, xstride,
+                      min(tile, n - t0), out.ctypes.data + t0 * ostride + r * 4, ostride)
+        for r in range(hi - (hi - lo) % rows, hi):  # one sum at a time, in the same order as in a pass
+            for t in range(n):
+                single(table.ctypes.data + r * wstride, wstride, dim, x.ctypes.data + t * xstride, xstride, 1,
+                       out.ctypes.data + t * ostride + r * 4, ostride)
+
+    return rows_pass
+
+
 def _make_head(half: bool) -> Any:
     """The LM head over a table of F16 bits (uint16: numba has no float16 arrays) or of float32."""
-    one, tile = _make_row_dot(1, half), _make_row_dot(HEAD_TILE, half)
+    pass1, pass2, pass4 = (_make_pass(tile, rows, half) for tile, rows in _PASSES)
 
     @njit(inline="always")
     def head(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
-        vocab, dim = table.shape
-        n, xstride = x.shape[0], x.strides[0]
+        vocab, n = table.shape[0], x.shape[0]
         for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-            sums = np.empty(HEAD_TILE, np.float32)
-            for r in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task)):
-                waddr = table.ctypes.data + r * table.strides[0]
-                for t0 in range(0, n, HEAD_TILE):
-                    nt = min(HEAD_TILE, n - t0)
-                    if nt == 1:
-                        one(waddr, dim, x.ctypes.data + t0 * xstride, xstride, 1, sums.ctypes.data)
-                    else:
-                        tile(waddr, dim, x.ctypes.data + t0 * xstride, xstride, nt, sums.ctypes.data)
-                    for i in range(nt):
-                        out[t0 + i, r] = sums[i]
+            lo, hi = task * rows_per_task, min(vocab, (task + 1) * rows_per_task)
+            if n == 1:
+                pass1(x, table, lo, hi, out)
+            elif n == 2:
+                pass2(x, table, lo, hi, out)
+            else:
+                pass4(x, table, lo, hi, out)
 
     return head
 
