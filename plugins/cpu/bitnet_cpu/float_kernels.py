@@ -88,11 +88,12 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
     half, else float32; w_stride bytes apart) and up to `tile` token rows x_t (float32, x_stride bytes
     apart; tokens past n_tok reuse the last and are not stored), out rows out_stride bytes apart.
 
-    Each (row, token) sums in one vector accumulator over the whole row, 8 columns at a time in
-    column order, then its lanes folded in halves, then the columns past the last whole lane step
-    one by one: the same order for any rows x tile, so a token's logits are the same bits alone or
-    in a batch. rows x tile independent accumulators keep the FMA pipes busy, and a converted F16
-    vector serves all `tile` tokens, an x vector all `rows` rows.
+    Each (row, token) sums in _ACCS vector accumulators over the whole row: the k-th 8-column lane
+    step of each whole _STEP into accumulator k % _ACCS, the lane steps after the last whole _STEP
+    into the first; then the accumulators added, their lanes folded in halves, and the columns past
+    the last whole lane step added one by one. That order is the same for any rows x tile, so a
+    token's logits are the same bits alone or in a batch. A converted F16 vector serves all `tile`
+    tokens, an x vector all `rows` rows.
     """
     w_i, w_stride, n, x_i, xstride, ntok, out_i, out_stride = args
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
@@ -192,20 +193,18 @@ def _make_rows_dot(rows: int, tile: int, half: bool) -> Any:
 
 
 def _make_pass(tile: int, rows: int, half: bool) -> Any:
-    """Rows lo..hi of the head for any number of tokens, `tile` tokens and `rows` rows per pass."""
-    whole, single = _make_rows_dot(rows, tile, half), _make_rows_dot(1, 1, half)
+    """Rows lo.. of the head for any number of tokens in passes of `tile` tokens and `rows` rows; returns
+    the first row it left (fewer than `rows` before hi)."""
+    dot = _make_rows_dot(rows, tile, half)
 
     @njit(inline="always")
-    def rows_pass(x: np.ndarray, table: np.ndarray, lo: int, hi: int, out: np.ndarray) -> None:
+    def rows_pass(x: np.ndarray, table: np.ndarray, lo: int, hi: int, out: np.ndarray) -> int:
         n, dim, xstride, wstride, ostride = x.shape[0], table.shape[1], x.strides[0], table.strides[0], out.strides[0]
         for r in range(lo, hi - rows + 1, rows):
             for t0 in range(0, n, tile):
-                whole(table.ctypes.data + r * wstride, wstride, dim, x.ctypes.data + t0 * xstride, xstride,
-                      min(tile, n - t0), out.ctypes.data + t0 * ostride + r * 4, ostride)
-        for r in range(hi - (hi - lo) % rows, hi):  # one sum at a time, in the same order as in a pass
-            for t in range(n):
-                single(table.ctypes.data + r * wstride, wstride, dim, x.ctypes.data + t * xstride, xstride, 1,
-                       out.ctypes.data + t * ostride + r * 4, ostride)
+                dot(table.ctypes.data + r * wstride, wstride, dim, x.ctypes.data + t0 * xstride, xstride,
+                    min(tile, n - t0), out.ctypes.data + t0 * ostride + r * 4, ostride)
+        return hi - (hi - lo) % rows
 
     return rows_pass
 
@@ -213,18 +212,23 @@ def _make_pass(tile: int, rows: int, half: bool) -> Any:
 def _make_head(half: bool) -> Any:
     """The LM head over a table of F16 bits (uint16: numba has no float16 arrays) or of float32."""
     pass1, pass2, pass4 = (_make_pass(tile, rows, half) for tile, rows in _PASSES)
+    single = _make_rows_dot(1, 1, half)
 
     @njit(inline="always")
     def head(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
-        vocab, n = table.shape[0], x.shape[0]
+        vocab, n, xstride, wstride, ostride = table.shape[0], x.shape[0], x.strides[0], table.strides[0], out.strides[0]
         for task in prange((vocab + rows_per_task - 1) // rows_per_task):
             lo, hi = task * rows_per_task, min(vocab, (task + 1) * rows_per_task)
             if n == 1:
-                pass1(x, table, lo, hi, out)
+                left = pass1(x, table, lo, hi, out)
             elif n == 2:
-                pass2(x, table, lo, hi, out)
+                left = pass2(x, table, lo, hi, out)
             else:
-                pass4(x, table, lo, hi, out)
+                left = pass4(x, table, lo, hi, out)
+            for r in range(left, hi):  # one sum at a time, in the same order as in a pass
+                for t in range(n):
+                    single(table.ctypes.data + r * wstride, wstride, table.shape[1], x.ctypes.data + t * xstride,
+                           xstride, 1, out.ctypes.data + t * ostride + r * 4, ostride)
 
     return head
 
