@@ -76,7 +76,8 @@ def _row_impl(cached: Any, p: Any, buf: Any) -> Any:
     return view
 
 _ACCS = 2  # accumulators per (row, token), taking alternate lane steps: two FMA chains in flight
-_PASSES = ((1, 2), (2, 2), (4, 1))  # (tokens, table rows) per pass: at most 8 of AVX2's 16 registers accumulate
+# (tokens, table rows) per pass: at most 8 of AVX2's 16 registers accumulate; the last takes any row count
+_PASSES = ((1, 2), (2, 2), (4, 1))
 _LANES = 8  # float32 lanes of an accumulator (one AVX2 register)
 _UNROLL = 4  # lane steps per loop iteration: one 64-byte line of an F16 row
 _STEP = _LANES * _UNROLL
@@ -212,23 +213,17 @@ def _make_pass(tile: int, rows: int, half: bool) -> Any:
 def _make_head(half: bool) -> Any:
     """The LM head over a table of F16 bits (uint16: numba has no float16 arrays) or of float32."""
     pass1, pass2, pass4 = (_make_pass(tile, rows, half) for tile, rows in _PASSES)
-    single = _make_rows_dot(1, 1, half)
 
     @njit(inline="always")
     def head(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
-        vocab, n, xstride, wstride, ostride = table.shape[0], x.shape[0], x.strides[0], table.strides[0], out.strides[0]
+        vocab, n = table.shape[0], x.shape[0]
         for task in prange((vocab + rows_per_task - 1) // rows_per_task):
             lo, hi = task * rows_per_task, min(vocab, (task + 1) * rows_per_task)
             if n == 1:
-                left = pass1(x, table, lo, hi, out)
+                lo = pass1(x, table, lo, hi, out)
             elif n == 2:
-                left = pass2(x, table, lo, hi, out)
-            else:
-                left = pass4(x, table, lo, hi, out)
-            for r in range(left, hi):  # one sum at a time, in the same order as in a pass
-                for t in range(n):
-                    single(table.ctypes.data + r * wstride, wstride, table.shape[1], x.ctypes.data + t * xstride,
-                           xstride, 1, out.ctypes.data + t * ostride + r * 4, ostride)
+                lo = pass2(x, table, lo, hi, out)
+            pass4(x, table, lo, hi, out)  # one row per pass: whatever rows the others left, in the same order
 
     return head
 
