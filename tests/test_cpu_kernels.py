@@ -254,8 +254,8 @@ def test_a_dot_product_that_drops_a_field_fails(level: str, monkeypatch: pytest.
 
     real_codes = dot_ir._Block.codes
 
-    def drop_last_field(self: dot_ir._Block, wptr: ir.Value) -> list[ir.Value]:
-        return [ir.Constant(c.type, None) if i % 4 == 3 else c for i, c in enumerate(real_codes(self, wptr))]
+    def drop_last_field(self: dot_ir._Block, wptr: ir.Value, **kw: bool) -> list[ir.Value]:
+        return [ir.Constant(c.type, None) if i % 4 == 3 else c for i, c in enumerate(real_codes(self, wptr, **kw))]
 
     monkeypatch.setattr(dot_ir._Block, "codes", drop_last_field)
     broken = CpuProvider(n_threads=1, isa=level)
@@ -271,8 +271,9 @@ def test_a_dot_product_that_drops_a_field_fails(level: str, monkeypatch: pytest.
 
 @pytest.mark.parametrize("blocks", [GROUP + 2, 2 * GROUP + 2], ids=["wide", "tiled"])
 def test_extreme_codes_and_zero_weights(cpu: CpuProvider, blocks: int) -> None:
-    # Every weight +1 or every weight -1 with maximal activations: the largest block sums, over more
-    # blocks than AVX2's int16 partial sums span (GROUP), at 1, 2, TILE and (rows narrow enough) WIDE tokens.
+    # Every weight +1 or every weight -1 with maximal activations of either sign: the largest block sums, over
+    # more blocks than AVX2's int16 partial sums span (GROUP; two blocks in the one-token pass, an odd count
+    # here), at 1, 2, TILE and (rows narrow enough) WIDE tokens.
     cols = 256 * blocks
     assert (cols * WIDE <= WIDE_BYTES) == (blocks == GROUP + 2)  # both kinds of pass are covered
     t = np.ones((4, cols), np.int8)
@@ -285,9 +286,10 @@ def test_extreme_codes_and_zero_weights(cpu: CpuProvider, blocks: int) -> None:
     x[WIDE - 1, ::5] = -3.0
     for mode in ("row", "block256"):
         for n in (1, 2, TILE, WIDE):
-            got = cpu.bitlinear(x[:n], cpu.upload_ternary(w), mode)
-            np.testing.assert_allclose(got, REF.bitlinear(x[:n], w, mode), rtol=1e-6, atol=0)
-            assert np.all(got[:, 2] == 0)
+            for a in (x[:n], -x[:n]):
+                got = cpu.bitlinear(a, cpu.upload_ternary(w), mode)
+                np.testing.assert_allclose(got, REF.bitlinear(a, w, mode), rtol=1e-6, atol=0)
+                assert np.all(got[:, 2] == 0)
 
 
 def test_dispatches_name_the_kernel(cpu: CpuProvider) -> None:

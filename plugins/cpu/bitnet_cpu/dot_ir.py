@@ -9,7 +9,8 @@ inner loop is therefore emitted here as LLVM vector IR on whole 256-value blocks
   (u8 x s8 -> i32, 64 products per instruction), the operation ternary weights map onto exactly;
 - "avxvnni": the same on 256-bit vectors (`llvm.x86.avx512.vpdpbusd.256`): LLVM encodes it as
   VEX (AVX-VNNI, Alder Lake and later) or EVEX (AVX-512 VNNI with VL), whichever the CPU has;
-- "avx2": `pmaddubsw` then `pmaddwd` (no saturation: |2*q + 2*q'| <= 512 fits int16);
+- "avx2": `pmaddubsw` then `pmaddwd` (no saturation: |2*q + 2*q'| <= 512 fits int16); one token
+  alone unpacks its codes with fewer shifts (`pairs_x4`);
 - "generic": portable LLVM vector IR (`reduce.add(mul(zext c, sext q))`), which LLVM lowers
   to whatever the target has: any numba target runs it.
 
@@ -131,12 +132,18 @@ class _Block:
         p = b.gep(ptr, [ir.Constant(_I64, offset)]) if offset else ptr
         return b.load(b.bitcast(p, _vec(_I8, n).as_pointer()), align=1)
 
-    def codes(self, wptr: ir.Value) -> list[ir.Value]:
-        """The four 2-bit fields of each register-wide part of one block's 64 code bytes, part-major."""
+    def codes(self, wptr: ir.Value, x4: bool = False) -> list[ir.Value]:
+        """The four 2-bit fields of each register-wide part of one block's 64 code bytes, part-major.
+
+        x4 (AVX2, for `pairs_x4`): one shift per register, not three; fields 1 and 3 come masked in place, 4c."""
         b, n = self.b, self.width
         out = []
         for g in range(BLOCK_BYTES // n):
             w = self.load(wptr, n * g, n)
+            if x4:
+                hi = b.lshr(w, _splat(_I8, n, 4))
+                out += [b.and_(v, _splat(_I8, n, mask)) for v in (w, hi) for mask in (3, 12)]
+                continue
             for s in range(4):
                 if self.vnni:
                     # Masked in place, not shifted: field s is c * 4**s <= 128, still a valid u8 operand,
@@ -170,11 +177,20 @@ class _Block:
         """AVX2: the block's sum(c * q) as int16 lanes, each the sum of its 8 pmaddubsw pair products
         (each within 2 * 2 * 128 = 512, so a lane stays within 8 * 512 = 4096)."""
         b, n = self.b, self.width
+        return _tree(b, [b.call(self.maddubs, [codes[4 * g + s], self.load(qptr, 64 * s + n * g, n)])
+                         for g in range(BLOCK_BYTES // n) for s in range(4)])
+
+    def pairs_x4(self, codes: list[ir.Value], qptr: ir.Value) -> ir.Value:
+        """AVX2: 4 * the block's sum(c * q) as int16 lanes, from `codes(..., x4=True)`.
+
+        The products of fields 1 and 3 (4c <= 8: a pair within 2 * 8 * 128) and of fields 0 and 2 sum apart,
+        the latter shifted up by 2 once; a lane stays within [-16384, 16256], so two blocks add up in int16
+        ([-32768, 32512]) before one pmaddwd."""
+        b, n = self.b, self.width
         sums = [b.call(self.maddubs, [codes[4 * g + s], self.load(qptr, 64 * s + n * g, n)])
                 for g in range(BLOCK_BYTES // n) for s in range(4)]
-        while len(sums) > 1:  # a tree: what a block adds to a running sum is no chain of 8 adds
-            sums = [b.add(sums[i], sums[i + 1]) for i in range(0, len(sums), 2)]
-        return sums[0]
+        ones, fours = _tree(b, sums[0::2]), _tree(b, sums[1::2])
+        return b.add(b.shl(ones, _splat(_I16, 16, 2)), fours)
 
     def widen(self, s16: ir.Value) -> ir.Value:
         """AVX2: int16 lanes summed in pairs into the int32 accumulator's lanes."""
@@ -187,6 +203,13 @@ class _Block:
             # lanes stay below 2**31 for rows shorter than 2**17 columns.
             acc = self.b.add(acc, self.b.ashr(more, _splat(_I32, self.lanes, 2 * s)))
         return acc if self.lanes == 1 else self.b.call(self.reduce, [acc])
+
+
+def _tree(builder: ir.IRBuilder, sums: list[ir.Value]) -> ir.Value:
+    """The sum of `sums` as a tree: what a block adds to a running sum is no chain of adds."""
+    while len(sums) > 1:
+        sums = [builder.add(sums[i], sums[i + 1]) for i in range(0, len(sums), 2)]
+    return sums[0]
 
 
 def _token_rows(builder: ir.IRBuilder, q_i: ir.Value, stride: ir.Value, ntok: ir.Value, tile: int) -> list[ir.Value]:
@@ -221,7 +244,11 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     out = builder.inttoptr(out_i, _I32.as_pointer())
     qrows = _token_rows(builder, q_i, stride, ntok, tile)
     accs = [[cgutils.alloca_once_value(builder, blk.zero()) for _ in range(blk.n_acc)] for _ in range(tile)]
-    if isa == "avx2" and not per_block and tile > 1:
+    if isa == "avx2" and not per_block and tile == 1:
+        total = _avx2_one_token(builder, blk, w0, nb, wstep, qrows[0])
+        _store(builder, out, ntok, 0, ir.Constant(_I64, 0), total)
+        return
+    if isa == "avx2" and not per_block:
         _avx2_row_loop(builder, blk, w0, nb, wstep, qrows, [a[0] for a in accs])
     else:
         _block_loop(builder, blk, w0, nb, wstep, qrows, accs, out, ntok, per_block)
@@ -255,11 +282,34 @@ def _block_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Value, 
                     builder.store(v, a)
 
 
+def _avx2_one_token(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Value, wstep: ir.Value,
+                    qrow: ir.Value) -> ir.Value:
+    """AVX2, one token: the row's sum(c * q), two blocks per step through `pairs_x4` (one token alone has no
+    other token to share the unpacking of its codes with, so each op saved there is an op per block)."""
+    b = builder
+    acc = cgutils.alloca_once_value(b, blk.zero())
+
+    def block(k: ir.Value) -> ir.Value:
+        wk = b.gep(w0, [b.mul(k, wstep)])
+        blk.prefetch(wk, PREFETCH_BYTES)
+        return blk.pairs_x4(blk.codes(wk, x4=True), b.gep(qrow, [b.mul(k, ir.Constant(_I64, BLOCK))]))
+
+    two = ir.Constant(_I64, 2)
+    with cgutils.for_range(b, b.sdiv(nb, two)) as loop:
+        k = b.mul(loop.index, two)
+        s16 = b.add(block(k), block(b.add(k, ir.Constant(_I64, 1))))
+        b.store(b.add(b.load(acc), blk.widen(s16)), acc)
+    with b.if_then(b.icmp_signed("!=", b.srem(nb, two), ir.Constant(_I64, 0))):
+        b.store(b.add(b.load(acc), blk.widen(block(b.sub(nb, ir.Constant(_I64, 1))))), acc)
+    # Every lane is a sum of multiples of 4 (see pairs_x4): the shift is exact.
+    return b.ashr(blk.total([b.load(acc)]), ir.Constant(_I32, 2))
+
+
 def _avx2_row_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Value, wstep: ir.Value,
                    qrows: list[ir.Value], accs: list[ir.Value]) -> None:
     """AVX2 without per-block sums, several tokens: each token's int16 lanes run over up to GROUP blocks
     before one pmaddwd widens them (GROUP * 4096 < 2**15), a pmaddwd and an add fewer per block and
-    token (5 % at 4-8 tokens). Not for one token: the extra loop level cost it more (5-7 %)."""
+    token (5 % at 4-8 tokens). One token goes through _avx2_one_token instead."""
     b, g = builder, ir.Constant(_I64, GROUP)
     n_groups = b.sdiv(b.add(nb, ir.Constant(_I64, GROUP - 1)), g)
     with cgutils.for_range(b, n_groups) as outer:
