@@ -254,8 +254,8 @@ def test_a_dot_product_that_drops_a_field_fails(level: str, monkeypatch: pytest.
 
     real_codes = dot_ir._Block.codes
 
-    def drop_last_field(self: dot_ir._Block, wptr: ir.Value, **kw: bool) -> list[ir.Value]:
-        return [ir.Constant(c.type, None) if i % 4 == 3 else c for i, c in enumerate(real_codes(self, wptr, **kw))]
+    def drop_last_field(self: dot_ir._Block, wptr: ir.Value, x4: bool = False) -> list[ir.Value]:
+        return [ir.Constant(c.type, None) if i % 4 == 3 else c for i, c in enumerate(real_codes(self, wptr, x4=x4))]
 
     monkeypatch.setattr(dot_ir._Block, "codes", drop_last_field)
     broken = CpuProvider(n_threads=1, isa=level)

@@ -243,11 +243,10 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     w0 = builder.inttoptr(w_i, _I8.as_pointer())
     out = builder.inttoptr(out_i, _I32.as_pointer())
     qrows = _token_rows(builder, q_i, stride, ntok, tile)
-    accs = [[cgutils.alloca_once_value(builder, blk.zero()) for _ in range(blk.n_acc)] for _ in range(tile)]
     if isa == "avx2" and not per_block and tile == 1:
-        total = _avx2_one_token(builder, blk, w0, nb, wstep, qrows[0])
-        _store(builder, out, ntok, 0, ir.Constant(_I64, 0), total)
+        _store(builder, out, ntok, 0, ir.Constant(_I64, 0), _avx2_one_token(builder, blk, w0, nb, wstep, qrows[0]))
         return
+    accs = [[cgutils.alloca_once_value(builder, blk.zero()) for _ in range(blk.n_acc)] for _ in range(tile)]
     if isa == "avx2" and not per_block:
         _avx2_row_loop(builder, blk, w0, nb, wstep, qrows, [a[0] for a in accs])
     else:
@@ -258,11 +257,11 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
 
 
 def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Value,
-                 k: ir.Value) -> tuple[list[ir.Value], ir.Value]:
-    """Block k's code fields (its bytes prefetched ahead) and the byte offset of its activations."""
+                 k: ir.Value, x4: bool = False) -> tuple[list[ir.Value], ir.Value]:
+    """Block k's code fields (its bytes prefetched ahead; x4 as in `codes`) and the byte offset of its activations."""
     wk = builder.gep(w0, [builder.mul(k, wstep)])
     blk.prefetch(wk, PREFETCH_BYTES)
-    return blk.codes(wk), builder.mul(k, ir.Constant(_I64, BLOCK))
+    return blk.codes(wk, x4=x4), builder.mul(k, ir.Constant(_I64, BLOCK))
 
 
 def _block_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Value, wstep: ir.Value,
@@ -290,9 +289,8 @@ def _avx2_one_token(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Val
     acc = cgutils.alloca_once_value(b, blk.zero())
 
     def block(k: ir.Value) -> ir.Value:
-        wk = b.gep(w0, [b.mul(k, wstep)])
-        blk.prefetch(wk, PREFETCH_BYTES)
-        return blk.pairs_x4(blk.codes(wk, x4=True), b.gep(qrow, [b.mul(k, ir.Constant(_I64, BLOCK))]))
+        codes, qoff = _block_codes(b, blk, w0, wstep, k, x4=True)
+        return blk.pairs_x4(codes, b.gep(qrow, [qoff]))
 
     two = ir.Constant(_I64, 2)
     with cgutils.for_range(b, b.sdiv(nb, two)) as loop:
