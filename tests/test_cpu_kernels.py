@@ -306,7 +306,9 @@ def test_dispatches_name_the_kernel(cpu: CpuProvider) -> None:
 # -- float kernels -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("vocab, dim, n", [(1, 320, 1), (1000, 320, 1), (1537, 320, 3), (700, 100, 6), (3, 7, 2)])
+# 116 columns: 3 whole steps of the row dot, 2 lane steps after them and 4 columns one by one
+@pytest.mark.parametrize("vocab, dim, n", [(1, 320, 1), (1000, 320, 1), (1537, 320, 3), (700, 100, 6), (3, 7, 2),
+                                           (513, 116, 1), (513, 116, 2), (513, 116, 5)])
 def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, dim: int, n: int) -> None:
     rng = np.random.default_rng(vocab + n)
     table = rng.standard_normal((vocab, dim)).astype(dtype)
@@ -461,9 +463,9 @@ def test_float_kernels_are_batch_invariant(cpu_float: CpuProvider) -> None:
         ops[f"lm_head_{np.dtype(dtype).name}"] = lambda r, table=table: cpu.lm_head(r, table)
         ops[f"lm_head_{np.dtype(dtype).name}_pairs"] = lambda r, table=table: np.concatenate(
             [cpu.lm_head(r[i:i + 2], table) for i in range(0, r.shape[0], 2)])
-        # 100 columns: 3 whole steps of the row dot and 4 summed one by one after them
-        narrow = cpu.upload_float(rng.standard_normal((300, 100)).astype(dtype))
-        ops[f"lm_head_{np.dtype(dtype).name}_100"] = lambda r, table=narrow: cpu.lm_head(r[:, :100], table)
+        # 116 columns: 3 whole steps of the row dot, 2 lane steps after them and 4 summed one by one
+        narrow = cpu.upload_float(rng.standard_normal((300, 116)).astype(dtype))
+        ops[f"lm_head_{np.dtype(dtype).name}_116"] = lambda r, table=narrow: cpu.lm_head(r[:, :116], table)
     head_q8 = q8_table(rng.standard_normal((1500, 512)).astype(np.float16))
     ops["lm_head_q8"] = lambda r: cpu.lm_head_q8(r, head_q8)
     for name, op in ops.items():

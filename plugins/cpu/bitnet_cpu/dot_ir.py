@@ -176,9 +176,13 @@ class _Block:
     def pairs(self, codes: list[ir.Value], qptr: ir.Value) -> ir.Value:
         """AVX2: the block's sum(c * q) as int16 lanes, each the sum of its 8 pmaddubsw pair products
         (each within 2 * 2 * 128 = 512, so a lane stays within 8 * 512 = 4096)."""
+        return _tree(self.b, self.products(codes, qptr))
+
+    def products(self, codes: list[ir.Value], qptr: ir.Value) -> list[ir.Value]:
+        """AVX2: each field's pmaddubsw pair products with its activations, in the order of `codes`."""
         b, n = self.b, self.width
-        return _tree(b, [b.call(self.maddubs, [codes[4 * g + s], self.load(qptr, 64 * s + n * g, n)])
-                         for g in range(BLOCK_BYTES // n) for s in range(4)])
+        return [b.call(self.maddubs, [codes[4 * g + s], self.load(qptr, 64 * s + n * g, n)])
+                for g in range(BLOCK_BYTES // n) for s in range(4)]
 
     def pairs_x4(self, codes: list[ir.Value], qptr: ir.Value) -> ir.Value:
         """AVX2: 4 * the block's sum(c * q) as int16 lanes, from `codes(..., x4=True)`.
@@ -186,9 +190,7 @@ class _Block:
         The products of fields 1 and 3 (4c <= 8: a pair within 2 * 8 * 128) and of fields 0 and 2 sum apart,
         the latter shifted up by 2 once; a lane stays within [-16384, 16256], so two blocks add up in int16
         ([-32768, 32512]) before one pmaddwd."""
-        b, n = self.b, self.width
-        sums = [b.call(self.maddubs, [codes[4 * g + s], self.load(qptr, 64 * s + n * g, n)])
-                for g in range(BLOCK_BYTES // n) for s in range(4)]
+        b, sums = self.b, self.products(codes, qptr)
         ones, fours = _tree(b, sums[0::2]), _tree(b, sums[1::2])
         return b.add(b.shl(ones, _splat(_I16, 16, 2)), fours)
 
