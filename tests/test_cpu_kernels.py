@@ -12,6 +12,7 @@ import numba
 import numpy as np
 import pytest
 
+from bitnet.modelfile import formats
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.provider import KV_DTYPES
@@ -202,6 +203,21 @@ def test_a_group_runs_in_one_call_as_its_projections_would(cpu: CpuProvider, mod
         assert sum(cpu.dispatches.values()) == calls + 1
         for w, y in zip(ws, got, strict=True):
             np.testing.assert_array_equal(y, cpu.bitlinear(x[rows], cpu.upload_ternary(w), mode))
+
+
+@pytest.mark.parametrize("mode", ["row", "block256", "none"])
+def test_a_tensor_wide_scale_stays_one_value(cpu: CpuProvider, mode: str) -> None:
+    # I2_S (and TQ2_0 whose blocks share a scale) hold one scale per tensor: a broadcast, never a
+    # [rows, blocks] array (27 MB of fresh pages for 2B-4T), stacked as a view of the row scales.
+    rng = np.random.default_rng(15)
+    ts = [(rng.integers(-1, 2, (rows, 768)).astype(np.int8), scale) for rows, scale in ((64, 0.5), (16, 2.0))]
+    ws = [formats.i2s_to_ternary(formats.ternary_to_i2s(t, s), len(t), 768) for t, s in ts]
+    assert all(w.scales.strides == (0, 0) for w in ws)
+    group = cpu.upload_ternary_group(ws)
+    assert isinstance(group, PackedTernary) and np.shares_memory(group.scales, group.row_scales)
+    x = rng.standard_normal((5, 768)).astype(np.float32)
+    for w, y in zip(ws, cpu.bitlinear_group(x, group, mode), strict=True):
+        assert_same(y, REF.bitlinear(x, TernaryMatrix(w.codes, w.scales.copy(), True), mode), mode)
 
 
 def test_projections_that_cannot_share_a_call_run_one_by_one() -> None:

@@ -62,6 +62,18 @@ def test_import_does_not_load_numba() -> None:
     _fresh_process(code)
 
 
+def test_numba_comes_in_without_yaml_unless_its_config_file_is_there(tmp_path: Path) -> None:
+    # numba imports PyYAML only to read .numba_config.yaml from the working directory: 20 ms of every load.
+    code = ("import sys; from bitnet.plugins.selection import select; select('cpu').open(); import numba; "
+            "print('yaml' in sys.modules, numba.config.CACHE_DIR == 'from-yaml')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "False"], r.stderr[-2000:]
+    (tmp_path / ".numba_config.yaml").write_text("cache_dir: from-yaml\n")  # a user's numba config still counts
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr[-2000:]
+
+
 def test_cached_kernels_run_without_numbas_compiler() -> None:
     # numba's cache loader sets its compiler's context up first: 0.3-0.4 s of imports (numba.cpython.listobj
     # among them) that running machine code never needs; and it imports the module of every numba function

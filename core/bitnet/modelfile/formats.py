@@ -99,7 +99,7 @@ def tq2_0_to_ternary(raw: np.ndarray, rows: int, cols: int, check: bool = True,
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, TQ2_0_BLOCK_BYTES)
     if not check:
         if block_scale is not None:
-            return TernaryMatrix(blocks[:, :, :64], np.full((rows, nb), block_scale, dtype=np.float32))
+            return TernaryMatrix(blocks[:, :, :64], np.broadcast_to(np.float32(block_scale), (rows, nb)))
         scales = blocks.reshape(-1).view(np.float16)[32::TQ2_0_BLOCK_BYTES // 2].astype(np.float32)
         return TernaryMatrix(blocks[:, :, :64], scales.reshape(rows, nb))
     scales = np.empty(rows * nb, np.float32)
@@ -163,7 +163,7 @@ def i2s_to_ternary(raw: np.ndarray, rows: int, cols: int, check: bool = True) ->
         return from_values(i2s_values(packed).reshape(rows, cols), scale)
     if check and any(bad for _, _, bad in _code3_chunks(packed, BYTES_PER_BLOCK)):
         raise ModelError("I2_S tensor holds the invalid code 0b11")
-    scales = np.full((rows, cols // BLOCK), scale, dtype=np.float32)
+    scales = np.broadcast_to(np.float32(scale), (rows, cols // BLOCK))
     return TernaryMatrix(packed.reshape(rows, cols // 4), scales, fields_reversed=True)
 
 

@@ -34,7 +34,7 @@ class TernaryMatrix:
     """
 
     codes: np.ndarray
-    scales: np.ndarray  # float32 [rows, cols // 256]
+    scales: np.ndarray  # float32 [rows, cols // 256]; a read-only broadcast when one scale serves the tensor
     fields_reversed: bool = False  # I2_S order: each byte's four codes at shifts 6, 4, 2, 0
 
     def __post_init__(self) -> None:
@@ -65,6 +65,8 @@ class TernaryMatrix:
     @property
     def row_scales(self) -> np.ndarray | None:
         """One scale per row when every block of the row shares it, else None."""
+        if self.scales.strides[1] == 0:  # a broadcast: a row's blocks share its scale by construction
+            return np.ascontiguousarray(self.scales[:, 0])
         first = self.scales[:, :1]
         return first[:, 0].copy() if bool((self.scales == first).all()) else None
 

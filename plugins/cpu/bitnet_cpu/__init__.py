@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
+import threading
 
 from bitnet import hookimpl
 from bitnet.plugins.types import PRIORITY_CPU, Backend, Device, ProbeResult, host_cpu_name
@@ -31,9 +33,28 @@ def probe() -> ProbeResult:
 
 
 def open_device(device: Device):
+    _import_numba()
     from .provider import CpuProvider
 
     return CpuProvider(device=device)
+
+
+def _import_numba() -> None:
+    """Import numba, without PyYAML when the working directory has no `.numba_config.yaml`.
+
+    numba imports yaml only to read that file (at import and on a config reload), and yaml's import is
+    20 ms of a 0.7 s load on the AMD EPYC (its reader compiles a large regex). Hiding yaml is safe only
+    while no other thread could import it meanwhile, so only a process with one thread does it.
+    """
+    if "numba" in sys.modules or "yaml" in sys.modules or threading.active_count() > 1 \
+            or os.path.exists(".numba_config.yaml"):
+        import numba  # noqa: F401
+        return
+    sys.modules["yaml"] = None  # type: ignore[assignment]  # (None there makes `import yaml` fail)
+    try:
+        import numba  # noqa: F401
+    finally:
+        del sys.modules["yaml"]
 
 
 @hookimpl

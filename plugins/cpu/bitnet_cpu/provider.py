@@ -12,6 +12,7 @@ each kernel on first use into its disk cache.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,7 @@ class PackedTernary:
     gate, up), which then run as one call. The codes stay where they are (TQ2_0 and I2_S in the mapped file)."""
 
     blocks: tuple[np.ndarray, ...]  # per projection uint8 [rows, cols // 256, 64], possibly strided views
-    scales: np.ndarray  # float32 [rows, cols // 256], all projections' rows
+    scales: np.ndarray  # float32 [rows, cols // 256], all projections' rows (a view of row_scales when there are)
     row_scales: np.ndarray | None  # float32 [rows] when every block of a row shares its scale
     fields_reversed: bool  # I2_S byte order (see bitnet.modelfile.ternary)
     starts: tuple[int, ...]  # each projection's first row
@@ -72,9 +73,17 @@ class PackedTernary:
             return None
         starts = tuple(int(r) for r in np.cumsum([0] + [w.rows for w in ws[:-1]]))
         tasks = np.concatenate([_tasks(b, r0) for b, r0 in zip(blocks, starts, strict=True)])
-        return cls(tuple(blocks), np.concatenate([np.asarray(w.scales, np.float32) for w in ws]),
-                   None if row_scales[0] is None else np.concatenate(row_scales).astype(np.float32),
-                   ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
+        if row_scales[0] is None:
+            rows, scales = None, np.concatenate([np.asarray(w.scales, np.float32) for w in ws])
+        else:  # (no [rows, blocks] copy: for 2B-4T, 27 MB of fresh pages, 15 ms of load on the AMD EPYC)
+            rows = np.concatenate(row_scales).astype(np.float32)
+            scales = np.broadcast_to(rows[:, None], (len(rows), ws[0].cols // BLOCK))
+        return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
+
+    @functools.cached_property
+    def block_scales(self) -> np.ndarray:
+        """`scales` C-contiguous, as the per-block kernels read them; built on first use when it is a view."""
+        return np.ascontiguousarray(self.scales)
 
     @property
     def rows(self) -> int:
@@ -189,13 +198,13 @@ class CpuProvider(ReferenceProvider):
         x = zero_extend(np.ascontiguousarray(x, dtype=np.float32), w.cols)  # widths not whole blocks
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
-            y = self._tk.bitlinear_block256(x, w.tasks, w.bstride, w.scales, w.fields_reversed)
+            y = self._tk.bitlinear_block256(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
         elif w.row_scales is not None:
             self.record("cpu.bitlinear_rowscale_row")
             y = self._tk.bitlinear_row_rowscale(x, w.tasks, w.bstride, w.row_scales, w.fields_reversed)
         else:
             self.record("cpu.bitlinear_blockscale_row")
-            y = self._tk.bitlinear_row_blockscale(x, w.tasks, w.bstride, w.scales, w.fields_reversed)
+            y = self._tk.bitlinear_row_blockscale(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
         return w.split(y, len(x))
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
