@@ -89,6 +89,26 @@ def test_cached_kernels_run_without_numbas_compiler() -> None:
     assert _fresh_process("import numba.np.arrayobj; " + run).rsplit(maxsplit=2) == [text, "False", "True"]
 
 
+def test_the_runtime_comes_from_its_file_and_a_damaged_file_is_compiled_again(tmp_path: Path) -> None:
+    # numba compiles its runtime (NRT) in every process, 30 ms of a load; a kernel that allocates runs on it.
+    use = ("import sys, numpy as np, numba; from bitnet_cpu import kernel_cache; "
+           "kernel_cache.runtime_ready(sys.argv[1]); print(numba.njit(lambda n: np.arange(n).sum())(5))")
+    no_compile = "from numba.core.runtime import nrtdynmod; nrtdynmod.create_nrt_module = None; "
+
+    def run(code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+
+    assert run(no_compile + use).returncode != 0  # (the spy works: with nothing cached, numba must compile)
+    assert run(use).stdout.split() == ["10"]
+    [entry] = tmp_path.glob("nrt-*.bin")
+    assert run(no_compile + use).stdout.split() == ["10"]  # loaded, not compiled
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # damaged: the digest no longer matches, so it is compiled and written again
+    entry.write_bytes(bytes(data))
+    assert run(use).stdout.split() == ["10"]
+    assert run(no_compile + use).stdout.split() == ["10"]
+
+
 def _cached_module(monkeypatch: pytest.MonkeyPatch, cache: Path) -> ModuleType:
     """A module holding one disk-cached kernel, whose cache lives in `cache`."""
     monkeypatch.setattr(numba.core.config, "CACHE_DIR", str(cache))

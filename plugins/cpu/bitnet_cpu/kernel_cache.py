@@ -14,26 +14,82 @@ forward pass. Only object-mode code reads an environment's globals, and numba's 
 functions are all nopython, so an environment of a numba module not yet imported gets its constants
 and an empty module namespace.
 
-This reaches into numba's cache (`Dispatcher._cache`, `Cache._load_overload`, `_rebuild_env`); where a
-numba version lacks one of those, that part loads the standard way, slower and just as correct.
+The runtime itself is a few LLVM functions (reference counts, atomics) that numba compiles in every
+process: 30 ms of every load on the EPYC. Their machine code is kept beside the kernels' cache, keyed
+by numba's and llvmlite's versions and the host CPU, with a digest that must match before LLVM sees it.
+
+This reaches into numba's cache (`Dispatcher._cache`, `Cache._load_overload`, `_rebuild_env`) and runtime
+(`nrtdynmod.compile_nrt_functions`); where a numba version lacks one of those, that part loads the
+standard way, slower and just as correct.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import marshal
+import os
 import sys
+import tempfile
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from numba.core import environment
+import llvmlite
+import numba
+from llvmlite import binding as ll
+from numba.core import config, environment
 from numba.core.caching import Cache
+from numba.core.compiler_lock import global_compiler_lock
 from numba.core.registry import cpu_target
-from numba.core.runtime import rtsys
+from numba.core.runtime import nrtdynmod, rtsys
 
 
-def runtime_ready() -> None:
-    """Set up numba's runtime (what a cached kernel calls into), not its compiler."""
-    rtsys.initialize(cpu_target.target_context)
+def runtime_ready(directory: str | None = None) -> None:
+    """Set up numba's runtime (what a cached kernel calls into), not its compiler; with `directory`, its
+    machine code comes from (or goes to) a file there."""
+    if getattr(rtsys, "_init", False):
+        return
+    compile_nrt = getattr(nrtdynmod, "compile_nrt_functions", None)
+    if directory is None or compile_nrt is None or not hasattr(nrtdynmod, "create_nrt_module"):
+        rtsys.initialize(cpu_target.target_context)
+        return
+    with global_compiler_lock:  # (reentrant: rtsys.initialize takes it too) no other thread sees the swap
+        nrtdynmod.compile_nrt_functions = functools.partial(_nrt_library, Path(directory))
+        try:
+            rtsys.initialize(cpu_target.target_context)
+        finally:
+            nrtdynmod.compile_nrt_functions = compile_nrt
+
+
+def _nrt_library(directory: Path, ctx: Any) -> Any:
+    """The runtime's library from its file in `directory` when that holds what this process would compile
+    (same key, intact), else compiled as numba does and written there for the next process."""
+    key = " ".join((numba.__version__, llvmlite.__version__, sys.version, ll.get_host_cpu_name(),
+                    ll.get_host_cpu_features().flatten(), str(config.CPU_NAME), str(config.CPU_FEATURES)))
+    path = directory / f"nrt-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin"
+    try:
+        digest, body = marshal.loads(path.read_bytes())
+        if digest == hashlib.sha256(body).digest():  # a torn or altered file never reaches LLVM
+            return ctx.codegen().unserialize_library(marshal.loads(body))
+    except (OSError, EOFError, ValueError, TypeError):
+        pass
+    ir_mod, library = nrtdynmod.create_nrt_module(ctx)
+    library.enable_object_caching()  # (what keeps the machine code to write)
+    library.add_ir_module(ir_mod)
+    library.finalize()
+    body = marshal.dumps(library.serialize_using_object_code())
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".nrt-", delete=False) as f:
+            try:
+                f.write(marshal.dumps((hashlib.sha256(body).digest(), body)))
+            except OSError:
+                os.unlink(f.name)
+                raise
+        os.replace(f.name, path)  # whole or not at all, for a process loading it meanwhile
+    except OSError:
+        pass  # a read-only or full disk: compile again next time
+    return library
 
 
 def load_lightly(module: ModuleType) -> None:

@@ -150,7 +150,7 @@ class CpuProvider(ReferenceProvider):
         super().__init__(device, backend)
         self.isa = isa_levels.choose(isa)
         self._tk = isa_levels.kernels(self.isa)
-        kernel_cache.runtime_ready()
+        kernel_cache.runtime_ready(isa_levels.cache_dir(self.isa))
         # numba cannot start more threads than it was configured with at import (NUMBA_NUM_THREADS).
         self.n_threads = max(1, min(n_threads or threads(), numba.config.NUMBA_NUM_THREADS))
         self._rope: tuple[tuple[bytes, int, float], np.ndarray, np.ndarray] | None = None  # the last angles
