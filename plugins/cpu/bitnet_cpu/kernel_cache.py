@@ -28,9 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import marshal
-import os
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -43,6 +41,11 @@ from numba.core.caching import Cache
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.registry import cpu_target
 from numba.core.runtime import nrtdynmod, rtsys
+
+from bitnet.modelfile import load_cache
+
+# Runtime files kept per kernel cache directory (one per numba/llvmlite/CPU key; a few in case keys alternate).
+_NRT_KEEP = 4
 
 
 def runtime_ready(directory: str | None = None) -> None:
@@ -69,9 +72,9 @@ def _nrt_library(directory: Path, ctx: Any) -> Any:
                     ll.get_host_cpu_features().flatten(), str(config.CPU_NAME), str(config.CPU_FEATURES)))
     path = directory / f"nrt-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin"
     try:
-        digest, body = marshal.loads(path.read_bytes())
-        if digest == hashlib.sha256(body).digest():  # a torn or altered file never reaches LLVM
-            return ctx.codegen().unserialize_library(marshal.loads(body))
+        raw = path.read_bytes()
+        if raw[:32] == hashlib.sha256(raw[32:]).digest():  # a torn or altered file never reaches LLVM
+            return ctx.codegen().unserialize_library(marshal.loads(raw[32:]))
     except (OSError, EOFError, ValueError, TypeError):
         pass
     ir_mod, library = nrtdynmod.create_nrt_module(ctx)
@@ -79,14 +82,8 @@ def _nrt_library(directory: Path, ctx: Any) -> Any:
     library.add_ir_module(ir_mod)
     library.finalize()
     body = marshal.dumps(library.serialize_using_object_code())
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".nrt-", delete=False) as f:
-            try:
-                f.write(marshal.dumps((hashlib.sha256(body).digest(), body)))
-            except OSError:
-                os.unlink(f.name)
-                raise
-        os.replace(f.name, path)  # whole or not at all, for a process loading it meanwhile
+    try:  # (renamed into place: a process loading it meanwhile sees all of it or none)
+        load_cache.write_entry(path, lambda f: f.write(hashlib.sha256(body).digest() + body), _NRT_KEEP)
     except OSError:
         pass  # a read-only or full disk: compile again next time
     return library
