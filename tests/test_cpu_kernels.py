@@ -408,6 +408,28 @@ def test_attention_prefill_then_decode(cpu_float: CpuProvider, kv_type: str) -> 
             np.testing.assert_array_equal(mine.view(np.uint8), theirs.view(np.uint8))
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_attention_over_a_long_row_with_head_and_column_tails(cpu_float: CpuProvider, kv_type: str) -> None:
+    # 6 query heads per KV head (a pass of 4, then 2), 40 columns (two 16-column value passes, then 8
+    # one by one; one 32-column score step, then one 8-column one) and 150 positions (three blocks of
+    # the values pass): the reference's result, and a prefill's last rows are what decoding them gives.
+    heads, kv_heads, hd, n = 12, 2, 40, 150
+    assert heads // kv_heads > fk._SCORE_HEADS and hd % (8 * fk._SUM_CHUNKS) and n > 2 * fk._SUM_BLOCK
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((n, heads * hd)).astype(np.float32) * 3
+    k = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)
+    v = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)
+    caches = [cpu_float.kv_cache(1, n, kv_heads, hd, kv_type=kv_type) for _ in range(2)]
+    ref_cache = REF.kv_cache(1, n, kv_heads, hd, kv_type=kv_type)
+    prefill = cpu_float.attention(q, k, v, caches[0], 0, *rows_at(0, 0, n), heads, kv_heads, hd)
+    want = REF.attention(q, k, v, ref_cache, 0, *rows_at(0, 0, n), heads, kv_heads, hd)
+    assert rel_err(prefill, want) < 1e-5
+    cpu_float.attention(q[:n - 3], k[:n - 3], v[:n - 3], caches[1], 0, *rows_at(0, 0, n - 3), heads, kv_heads, hd)
+    steps = [cpu_float.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], caches[1], 0, *rows_at(0, i, 1), heads,
+                                 kv_heads, hd) for i in range(n - 3, n)]
+    np.testing.assert_array_equal(np.concatenate(steps), prefill[n - 3:])
+
+
 def test_softmax_exp_is_within_two_ulp() -> None:
     # Every float32 exponent the softmax meets (0 down to the clamp), and a shift by the row's maximum.
     x = np.concatenate([np.linspace(-87.0, 0.0, 400_001), -np.logspace(-8, 0, 1000)]).astype(np.float32) + 3
