@@ -410,11 +410,12 @@ def test_attention_prefill_then_decode(cpu_float: CpuProvider, kv_type: str) -> 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 def test_attention_over_a_long_row_with_head_and_column_tails(cpu_float: CpuProvider, kv_type: str) -> None:
-    # 6 query heads per KV head (a pass of 4, then 2), 40 columns (two 16-column value passes, then 8
-    # one by one; one 32-column score step, then one 8-column one) and 150 positions (three blocks of
-    # the values pass): the reference's result, and a prefill's last rows are what decoding them gives.
-    heads, kv_heads, hd, n = 12, 2, 40, 150
-    assert heads // kv_heads > fk._SCORE_HEADS and hd % (8 * fk._SUM_CHUNKS) and n > 2 * fk._SUM_BLOCK
+    # 7 query heads per KV head (chunks of 4, 2 and 1), 124 columns (each chunk's widest value pass, then
+    # narrower ones, then 4 single columns; 15 score steps of 8, then 4 single columns) and 150 positions
+    # (the last score tile of 4 and of 8 positions part-filled; three blocks of the values pass): the
+    # reference's result, and a prefill's last rows are what decoding them gives.
+    heads, kv_heads, hd, n = 14, 2, 124, 150
+    assert n > 2 * fk._SUM_BLOCK
     rng = np.random.default_rng(9)
     q = rng.standard_normal((n, heads * hd)).astype(np.float32) * 3
     k = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)

@@ -174,53 +174,85 @@ def _make_rows_dot(rows: int, tile: int, half: bool) -> Any:
     return dot
 
 
-_SUM_CHUNKS = 2  # 8-column chunks of the values per pass: with _SCORE_HEADS heads, 8 accumulators in registers
+# -- attention's values pass ---------------------------------------------------------------------------------
+# (Its scores are emit_rows_dot's.) A task's query heads go through both in chunks of 4, 2 or 1 heads: any
+# group splits into those, so no head is computed for nothing.
 
 
-def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], tile: int, half: bool) -> None:
-    """The body of wsum(v_addr, v_stride, n, w_addr, w_stride, n_heads, o_addr, o_stride), all i64:
-    o_h[c] += the sum over p < n of w_h[p] * v_p[c], for the 8 * _SUM_CHUNKS columns c of value rows v_p
-    (F16 with half, else float32; v_stride bytes apart) and up to `tile` weight rows w_h (float32, w_stride
-    bytes apart; heads past n_heads reuse the last and are not stored) into float32 rows o_h (o_stride apart).
+def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool) -> ir.Value:
+    """8 values of a row (F16 with half, converted) from index `at` on, as float32."""
+    elem, size = (ir.HalfType(), 2) if half else (ir.FloatType(), 4)
+    v = b.load(b.bitcast(b.gep(row, [at]), ir.VectorType(elem, _LANES).as_pointer()), align=size)
+    return b.fpext(v, ir.VectorType(ir.FloatType(), _LANES)) if half else v
+
+
+def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: bool) -> None:
+    """The body of wsum(v_addr, v_stride, n, n_cols, w_addr, w_stride, o_addr, o_stride), all i64:
+    o_h[c] += the sum over p < n of w_h[p] * v_p[c], for every column c < n_cols of the value rows v_p (F16
+    with half, else float32; v_stride bytes apart) and `heads` weight rows w_h (float32, w_stride apart) into
+    float32 rows o_h (o_stride apart).
 
     Each o_h[c] takes its terms one FMA at a time in position order, so a sum over positions 0..n-1 is the
-    same bits in one call or in calls over consecutive blocks of them. A converted value vector serves every
-    head, a weight every chunk."""
-    v_i, v_stride, n, w_i, w_stride, nh, o_i, o_stride = args
+    same bits in one call or in calls over consecutive blocks of them, and whichever pass its column falls
+    in: 8 // heads vector columns at a time, then halves of that for what is left, then single columns. A
+    converted value vector serves every head, a weight every column vector."""
+    v_i, v_stride, n, n_cols, w_i, w_stride, o_i, o_stride = args
     f32, i64 = ir.FloatType(), ir.IntType(64)
-    elem, size = (ir.HalfType(), 2) if half else (f32, 4)
+    elem = ir.HalfType() if half else f32
     vf = ir.VectorType(f32, _LANES)
     fma_v = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{_LANES}f32")
-    last = b.sub(nh, ir.Constant(i64, 1))
-    heads = [b.select(b.icmp_signed("<", ir.Constant(i64, h), nh), ir.Constant(i64, h), last) for h in range(tile)]
-    ws = [b.inttoptr(b.add(w_i, b.mul(h, w_stride)), f32.as_pointer()) for h in heads]
-    os_ = [b.inttoptr(b.add(o_i, b.mul(ir.Constant(i64, h), o_stride)), vf.as_pointer()) for h in range(tile)]
-    accs = [[cgutils.alloca_once_value(b, b.load(b.gep(os_[h], [ir.Constant(i64, c)]), align=4))
-             for c in range(_SUM_CHUNKS)] for h in range(tile)]
+    fma_s = cgutils.get_or_insert_function(b.module, ir.FunctionType(f32, [f32] * 3), "llvm.fmuladd.f32")
+    ws = [b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, h), w_stride)), f32.as_pointer()) for h in range(heads)]
+    os_ = [b.inttoptr(b.add(o_i, b.mul(ir.Constant(i64, h), o_stride)), f32.as_pointer()) for h in range(heads)]
+    col = cgutils.alloca_once_value(b, ir.Constant(i64, 0))
     zeros = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
-    with cgutils.for_range(b, n) as loop:
-        row = b.inttoptr(b.add(v_i, b.mul(loop.index, v_stride)), elem.as_pointer())
-        vv = [b.load(b.bitcast(b.gep(row, [ir.Constant(i64, c * _LANES)]), ir.VectorType(elem, _LANES).as_pointer()),
-                     align=size) for c in range(_SUM_CHUNKS)]
-        vv = [b.fpext(x, vf) for x in vv] if half else vv
-        for h in range(tile):
-            w = b.load(b.gep(ws[h], [loop.index]))
-            wv = b.shuffle_vector(b.insert_element(ir.Constant(vf, None), w, ir.Constant(ir.IntType(32), 0)),
-                                  ir.Constant(vf, None), zeros)
-            for c in range(_SUM_CHUNKS):
-                b.store(b.call(fma_v, [wv, vv[c], b.load(accs[h][c])]), accs[h][c])
-    for h in range(tile):
-        with b.if_then(b.icmp_signed("<", ir.Constant(i64, h), nh)):
-            for c in range(_SUM_CHUNKS):
-                b.store(b.load(accs[h][c]), b.gep(os_[h], [ir.Constant(i64, c)]), align=4)
+
+    def columns(chunks: int) -> None:
+        """`chunks` vector columns from col on, over all n positions; col moves past them."""
+        c0 = b.load(col)
+        at = [b.add(c0, ir.Constant(i64, c * _LANES)) for c in range(chunks)]
+        ptrs = [[b.bitcast(b.gep(o, [a]), vf.as_pointer()) for a in at] for o in os_]
+        accs = [[cgutils.alloca_once_value(b, b.load(ptr, align=4)) for ptr in row] for row in ptrs]
+        with cgutils.for_range(b, n) as loop:
+            row = b.inttoptr(b.add(v_i, b.mul(loop.index, v_stride)), elem.as_pointer())
+            vv = [_f32_vector(b, row, a, half) for a in at]
+            for h in range(heads):
+                w = b.load(b.gep(ws[h], [loop.index]))
+                wv = b.shuffle_vector(b.insert_element(ir.Constant(vf, None), w, ir.Constant(ir.IntType(32), 0)),
+                                      ir.Constant(vf, None), zeros)
+                for c in range(chunks):
+                    b.store(b.call(fma_v, [wv, vv[c], b.load(accs[h][c])]), accs[h][c])
+        for h in range(heads):
+            for c in range(chunks):
+                b.store(b.load(accs[h][c]), ptrs[h][c], align=4)
+        b.store(b.add(c0, ir.Constant(i64, chunks * _LANES)), col)
+
+    chunks = _LANES // heads
+    with cgutils.for_range(b, b.sdiv(n_cols, ir.Constant(i64, chunks * _LANES))):
+        columns(chunks)
+    while chunks > 1:
+        chunks //= 2
+        left = b.sub(n_cols, b.load(col))
+        with b.if_then(b.icmp_signed(">=", left, ir.Constant(i64, chunks * _LANES))):
+            columns(chunks)
+    with cgutils.for_range(b, b.sub(n_cols, b.load(col))) as tail:
+        c = b.add(b.load(col), tail.index)
+        for h in range(heads):
+            acc = cgutils.alloca_once_value(b, b.load(b.gep(os_[h], [c])))
+            with cgutils.for_range(b, n) as loop:
+                row = b.inttoptr(b.add(v_i, b.mul(loop.index, v_stride)), elem.as_pointer())
+                x = b.load(b.gep(row, [c]))
+                x = b.fpext(x, f32) if half else x
+                b.store(b.call(fma_s, [b.load(b.gep(ws[h], [loop.index])), x, b.load(acc)]), acc)
+            b.store(b.load(acc), b.gep(os_[h], [c]))
 
 
-def _make_weighted_sum(tile: int, half: bool) -> Any:
+def _make_weighted_sum(heads: int, half: bool) -> Any:
     @intrinsic
-    def wsum(typingctx: Any, v_addr: Any, v_stride: Any, n: Any, w_addr: Any, w_stride: Any, n_heads: Any,
+    def wsum(typingctx: Any, v_addr: Any, v_stride: Any, n: Any, n_cols: Any, w_addr: Any, w_stride: Any,
              o_addr: Any, o_stride: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_weighted_sum(builder, list(args), tile, half)
+            emit_weighted_sum(builder, list(args), heads, half)
             return context.get_dummy_value()
 
         return types.void(*[types.intp] * 8), codegen
@@ -421,10 +453,51 @@ def exp_shifted(x: np.ndarray, top: np.float32, bits: np.ndarray) -> None:
 
 
 # A key row's scores for up to this many query heads at once: each key vector loaded serves all of them.
-_SCORE_HEADS = 4
-_score_half, _score_float = _make_rows_dot(1, _SCORE_HEADS, True), _make_rows_dot(1, _SCORE_HEADS, False)
-_wsum_half, _wsum_float = _make_weighted_sum(_SCORE_HEADS, True), _make_weighted_sum(_SCORE_HEADS, False)
+_scores4f, _scores2f, _scores1f = (_make_rows_dot(1, h, False) for h in (4, 2, 1))
+_scores4h, _scores2h, _scores1h = (_make_rows_dot(1, h, True) for h in (4, 2, 1))
+_wsum4f, _wsum2f, _wsum1f = (_make_weighted_sum(h, False) for h in (4, 2, 1))
+_wsum4h, _wsum2h, _wsum1h = (_make_weighted_sum(h, True) for h in (4, 2, 1))
 _SUM_BLOCK = 64  # positions per pass over the values: their rows stay in L1/L2 across the column passes
+
+
+@njit(inline="always")
+def _heads(left: int) -> int:
+    """How many of the `left` query heads the next chunk takes."""
+    return 4 if left >= 4 else (2 if left >= 2 else 1)
+
+
+@njit(inline="always")
+def _scores(heads: int, half: bool, args: Any) -> None:
+    if half:
+        if heads == 4:
+            _scores4h(*args)
+        elif heads == 2:
+            _scores2h(*args)
+        else:
+            _scores1h(*args)
+    elif heads == 4:
+        _scores4f(*args)
+    elif heads == 2:
+        _scores2f(*args)
+    else:
+        _scores1f(*args)
+
+
+@njit(inline="always")
+def _weighted_sum(heads: int, half: bool, args: Any) -> None:
+    if half:
+        if heads == 4:
+            _wsum4h(*args)
+        elif heads == 2:
+            _wsum2h(*args)
+        else:
+            _wsum1h(*args)
+    elif heads == 4:
+        _wsum4f(*args)
+    elif heads == 2:
+        _wsum2f(*args)
+    else:
+        _wsum1f(*args)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -439,9 +512,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     row and a KV head with the query heads that share it: each cached key and value is read once
     for all of them (from memory, once the context outgrows the caches), not once per head, and each
     F16 vector is converted once for all of them. The scores are `emit_rows_dot`'s row dots and the
-    weighted values `emit_weighted_sum`'s, in LLVM IR: numba's loops had loaded both operands of every
-    FMA (the score dots) or the sums of every head (the values pass), and ran at ~9 G FMA/s on Zen 1.
-    A row's result never depends on the rows beside it.
+    weighted values `emit_weighted_sum`'s, in LLVM IR, for chunks of 4, 2 or 1 query heads: numba's loops
+    had loaded both operands of every FMA (the score dots) or the sums of every head (the values pass),
+    and ran at ~9 G FMA/s on Zen 1. A row's result never depends on the rows beside it.
     """
     n = q.shape[0]
     n_kv, hd = keys.shape[1], keys.shape[3]
@@ -461,19 +534,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
             for d in range(hd):
                 qg[g, d] = q[t, (kv * group + g) * hd + d] * scale
         scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
-        kstride, sstride = ks.strides[0], scores.strides[0]
+        kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
+        half = ks.itemsize == 2
         for p in range(total):
             # Position p's value row is requested into the caches now, with the key rows, so the values
             # pass below reads them from cache, not memory (5-10 % less attention time at 1024 positions).
             for c in range(0, hd * vs.itemsize, 64):
-                prefetch_keep(vs.ctypes.data + p * vs.strides[0] + c)
-            for g0 in range(0, group, _SCORE_HEADS):
-                args = (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data + g0 * hd * 4, hd * 4,
-                        min(_SCORE_HEADS, group - g0), scores.ctypes.data + g0 * sstride + p * 4, sstride)
-                if ks.itemsize == 2:
-                    _score_half(*args)
-                else:
-                    _score_float(*args)
+                prefetch_keep(vs.ctypes.data + p * vstride + c)
+            g0 = 0
+            while g0 < group:
+                heads = _heads(group - g0)
+                _scores(heads, half, (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data + g0 * hd * 4,
+                                      hd * 4, heads, scores.ctypes.data + g0 * sstride + p * 4, sstride))
+                g0 += heads
         inv = np.empty(group, np.float32)
         for g in range(group):
             top = np.float32(-np.inf)
@@ -485,23 +558,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
                 den += scores[g, p]
             inv[g] = np.float32(1.0 / den)
         o = np.zeros((group, hd), np.float32)
-        vstride, width = vs.strides[0], 8 * _SUM_CHUNKS
-        wide = hd - hd % width
         for p0 in range(0, total, _SUM_BLOCK):
-            count = min(_SUM_BLOCK, total - p0)
-            for d0 in range(0, wide, width):
-                for g0 in range(0, group, _SCORE_HEADS):
-                    args = (vs.ctypes.data + p0 * vstride + d0 * vs.itemsize, vstride, count,
-                            scores.ctypes.data + g0 * sstride + p0 * 4, sstride, min(_SCORE_HEADS, group - g0),
-                            o.ctypes.data + (g0 * hd + d0) * 4, hd * 4)
-                    if vs.itemsize == 2:
-                        _wsum_half(*args)
-                    else:
-                        _wsum_float(*args)
-        for p in range(total):  # columns past the last whole pass (hd not a multiple of its width), in the same order
-            for g in range(group):
-                for d in range(wide, hd):
-                    o[g, d] += scores[g, p] * _as_float(vs[p, d])
+            g0 = 0
+            while g0 < group:
+                heads = _heads(group - g0)
+                _weighted_sum(heads, half, (vs.ctypes.data + p0 * vstride, vstride, min(_SUM_BLOCK, total - p0), hd,
+                                            scores.ctypes.data + g0 * sstride + p0 * 4, sstride,
+                                            o.ctypes.data + g0 * hd * 4, hd * 4))
+                g0 += heads
         for g in range(group):
             for d in range(hd):
                 out[t, (kv * group + g) * hd + d] = o[g, d] * inv[g]
