@@ -174,9 +174,33 @@ def _make_rows_dot(rows: int, tile: int, half: bool) -> Any:
     return dot
 
 
-# -- attention's values pass ---------------------------------------------------------------------------------
-# (Its scores are emit_rows_dot's.) A task's query heads go through both in chunks of 4, 2 or 1 heads: any
-# group splits into those, so no head is computed for nothing.
+# -- attention's inner loops ---------------------------------------------------------------------------------
+
+
+def _in_head_chunks(b: ir.IRBuilder, n_heads: ir.Value, emit: Any) -> None:
+    """emit(first head, heads) for chunks of 4, then 2, then 1 of n_heads query heads: any group splits into
+    those, so a head chunk's registers hold no head computed for nothing."""
+    i64 = ir.IntType(64)
+    with cgutils.for_range(b, b.sdiv(n_heads, ir.Constant(i64, 4))) as loop:
+        emit(b.mul(loop.index, ir.Constant(i64, 4)), 4)
+    done = cgutils.alloca_once_value(b, b.mul(b.sdiv(n_heads, ir.Constant(i64, 4)), ir.Constant(i64, 4)))
+    for heads in (2, 1):
+        with b.if_then(b.icmp_signed(">=", b.sub(n_heads, b.load(done)), ir.Constant(i64, heads))):
+            emit(b.load(done), heads)
+            b.store(b.add(b.load(done), ir.Constant(i64, heads)), done)
+
+
+def emit_scores(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None:
+    """The body of scores(k_addr, k_stride, hd, q_addr, q_stride, n_heads, out_addr, out_stride), all i64: one
+    key row's scores for n_heads query rows, `emit_rows_dot`'s with the heads as its tokens, a chunk at a time."""
+    k_i, k_stride, hd, q_i, q_stride, n_heads, out_i, out_stride = args
+    i64 = ir.IntType(64)
+
+    def chunk(h0: ir.Value, heads: int) -> None:
+        emit_rows_dot(b, [k_i, k_stride, hd, b.add(q_i, b.mul(h0, q_stride)), q_stride, ir.Constant(i64, heads),
+                          b.add(out_i, b.mul(h0, out_stride)), out_stride], 1, heads, half)
+
+    _in_head_chunks(b, n_heads, chunk)
 
 
 def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool) -> ir.Value:
@@ -186,11 +210,22 @@ def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool) -> ir.
     return b.fpext(v, ir.VectorType(ir.FloatType(), _LANES)) if half else v
 
 
-def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: bool) -> None:
-    """The body of wsum(v_addr, v_stride, n, n_cols, w_addr, w_stride, o_addr, o_stride), all i64:
+def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None:
+    """The body of wsum(v_addr, v_stride, n, n_cols, w_addr, w_stride, n_heads, o_addr, o_stride), all i64:
     o_h[c] += the sum over p < n of w_h[p] * v_p[c], for every column c < n_cols of the value rows v_p (F16
-    with half, else float32; v_stride bytes apart) and `heads` weight rows w_h (float32, w_stride apart) into
-    float32 rows o_h (o_stride apart).
+    with half, else float32; v_stride bytes apart) and n_heads weight rows w_h (float32, w_stride apart) into
+    float32 rows o_h (o_stride apart), a chunk of heads at a time."""
+    v_i, v_stride, n, n_cols, w_i, w_stride, n_heads, o_i, o_stride = args
+
+    def chunk(h0: ir.Value, heads: int) -> None:
+        _weighted_sum_chunk(b, [v_i, v_stride, n, n_cols, b.add(w_i, b.mul(h0, w_stride)), w_stride,
+                                b.add(o_i, b.mul(h0, o_stride)), o_stride], heads, half)
+
+    _in_head_chunks(b, n_heads, chunk)
+
+
+def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: bool) -> None:
+    """emit_weighted_sum for `heads` heads (args without n_heads).
 
     Each o_h[c] takes its terms one FMA at a time in position order, so a sum over positions 0..n-1 is the
     same bits in one call or in calls over consecutive blocks of them, and whichever pass its column falls
@@ -247,17 +282,27 @@ def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: b
             b.store(b.load(acc), b.gep(os_[h], [c]))
 
 
-def _make_weighted_sum(heads: int, half: bool) -> Any:
+def _make_attention_loops(half: bool) -> tuple[Any, Any]:
+    """The intrinsics scores(...) and wsum(...) of emit_scores and emit_weighted_sum for F16 or float32 rows."""
     @intrinsic
-    def wsum(typingctx: Any, v_addr: Any, v_stride: Any, n: Any, n_cols: Any, w_addr: Any, w_stride: Any,
-             o_addr: Any, o_stride: Any) -> Any:
+    def scores(typingctx: Any, k_addr: Any, k_stride: Any, hd: Any, q_addr: Any, q_stride: Any, n_heads: Any,
+               out_addr: Any, out_stride: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_weighted_sum(builder, list(args), heads, half)
+            emit_scores(builder, list(args), half)
             return context.get_dummy_value()
 
         return types.void(*[types.intp] * 8), codegen
 
-    return wsum
+    @intrinsic
+    def wsum(typingctx: Any, v_addr: Any, v_stride: Any, n: Any, n_cols: Any, w_addr: Any, w_stride: Any,
+             n_heads: Any, o_addr: Any, o_stride: Any) -> Any:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            emit_weighted_sum(builder, list(args), half)
+            return context.get_dummy_value()
+
+        return types.void(*[types.intp] * 9), codegen
+
+    return scores, wsum
 
 
 def _make_pass(tile: int, rows: int, half: bool) -> Any:
@@ -452,52 +497,8 @@ def exp_shifted(x: np.ndarray, top: np.float32, bits: np.ndarray) -> None:
         x[i] *= scale[i]
 
 
-# A key row's scores for up to this many query heads at once: each key vector loaded serves all of them.
-_scores4f, _scores2f, _scores1f = (_make_rows_dot(1, h, False) for h in (4, 2, 1))
-_scores4h, _scores2h, _scores1h = (_make_rows_dot(1, h, True) for h in (4, 2, 1))
-_wsum4f, _wsum2f, _wsum1f = (_make_weighted_sum(h, False) for h in (4, 2, 1))
-_wsum4h, _wsum2h, _wsum1h = (_make_weighted_sum(h, True) for h in (4, 2, 1))
+(_scores_half, _wsum_half), (_scores_float, _wsum_float) = _make_attention_loops(True), _make_attention_loops(False)
 _SUM_BLOCK = 64  # positions per pass over the values: their rows stay in L1/L2 across the column passes
-
-
-@njit(inline="always")
-def _heads(left: int) -> int:
-    """How many of the `left` query heads the next chunk takes."""
-    return 4 if left >= 4 else (2 if left >= 2 else 1)
-
-
-@njit(inline="always")
-def _scores(heads: int, half: bool, args: Any) -> None:
-    if half:
-        if heads == 4:
-            _scores4h(*args)
-        elif heads == 2:
-            _scores2h(*args)
-        else:
-            _scores1h(*args)
-    elif heads == 4:
-        _scores4f(*args)
-    elif heads == 2:
-        _scores2f(*args)
-    else:
-        _scores1f(*args)
-
-
-@njit(inline="always")
-def _weighted_sum(heads: int, half: bool, args: Any) -> None:
-    if half:
-        if heads == 4:
-            _wsum4h(*args)
-        elif heads == 2:
-            _wsum2h(*args)
-        else:
-            _wsum1h(*args)
-    elif heads == 4:
-        _wsum4f(*args)
-    elif heads == 2:
-        _wsum2f(*args)
-    else:
-        _wsum1f(*args)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -535,18 +536,17 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
                 qg[g, d] = q[t, (kv * group + g) * hd + d] * scale
         scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
         kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
-        half = ks.itemsize == 2
         for p in range(total):
             # Position p's value row is requested into the caches now, with the key rows, so the values
             # pass below reads them from cache, not memory (5-10 % less attention time at 1024 positions).
             for c in range(0, hd * vs.itemsize, 64):
                 prefetch_keep(vs.ctypes.data + p * vstride + c)
-            g0 = 0
-            while g0 < group:
-                heads = _heads(group - g0)
-                _scores(heads, half, (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data + g0 * hd * 4,
-                                      hd * 4, heads, scores.ctypes.data + g0 * sstride + p * 4, sstride))
-                g0 += heads
+            args = (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group,
+                    scores.ctypes.data + p * 4, sstride)
+            if ks.itemsize == 2:
+                _scores_half(*args)
+            else:
+                _scores_float(*args)
         inv = np.empty(group, np.float32)
         for g in range(group):
             top = np.float32(-np.inf)
@@ -559,13 +559,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
             inv[g] = np.float32(1.0 / den)
         o = np.zeros((group, hd), np.float32)
         for p0 in range(0, total, _SUM_BLOCK):
-            g0 = 0
-            while g0 < group:
-                heads = _heads(group - g0)
-                _weighted_sum(heads, half, (vs.ctypes.data + p0 * vstride, vstride, min(_SUM_BLOCK, total - p0), hd,
-                                            scores.ctypes.data + g0 * sstride + p0 * 4, sstride,
-                                            o.ctypes.data + g0 * hd * 4, hd * 4))
-                g0 += heads
+            args = (vs.ctypes.data + p0 * vstride, vstride, min(_SUM_BLOCK, total - p0), hd,
+                    scores.ctypes.data + p0 * 4, sstride, group, o.ctypes.data, hd * 4)
+            if vs.itemsize == 2:
+                _wsum_half(*args)
+            else:
+                _wsum_float(*args)
         for g in range(group):
             for d in range(hd):
                 out[t, (kv * group + g) * hd + d] = o[g, d] * inv[g]
