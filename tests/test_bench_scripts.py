@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -72,3 +73,27 @@ def test_busy_co_tenants_spin_while_the_block_runs_and_are_gone_after() -> None:
 def test_bench_cpu_refuses_a_negative_busy_count() -> None:
     r = bench_cpu("--model", default_model.path(), "--busy", "-1")
     assert r.returncode == 2 and r.stderr.strip().endswith("--busy must be 0 or more, not -1")
+
+
+def avx2_styles(tmp_path: Path, tokens: int, *defines: str) -> subprocess.CompletedProcess[str]:
+    exe = tmp_path / f"styles{tokens}{''.join(defines)}"
+    build = subprocess.run(["gcc", "-O2", "-mavx2", f"-DT={tokens}", *defines, "-o", str(exe),
+                            str(BENCHMARKS / "avx2_kernel_styles.c")], capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr
+    return subprocess.run([str(exe), "check"], capture_output=True, text=True, timeout=60)
+
+
+def host_has_avx2() -> bool:
+    try:
+        return "avx2" in Path("/proc/cpuinfo").read_text(errors="ignore")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or not host_has_avx2(), reason="needs gcc and an AVX2 CPU")
+def test_the_avx2_kernel_styles_compute_the_reference_sums(tmp_path: Path) -> None:
+    for tokens in (2, 8):
+        r = avx2_styles(tmp_path, tokens)
+        assert r.returncode == 0 and "give the reference's sums" in r.stdout, r.stdout + r.stderr
+    broken = avx2_styles(tmp_path, 2, "-DBREAK_TABLE")
+    assert broken.returncode == 1 and broken.stdout.startswith("lut: row "), broken.stdout
