@@ -412,8 +412,8 @@ def test_attention_prefill_then_decode(cpu_float: CpuProvider, kv_type: str) -> 
 def test_attention_over_a_long_row_with_head_and_column_tails(cpu_float: CpuProvider, kv_type: str) -> None:
     # 7 query heads per KV head (chunks of 4, 2 and 1), 124 columns (each chunk's widest value pass, then
     # narrower ones, then 4 single columns; 15 score steps of 8, then 4 single columns) and 150 positions
-    # (the last score tile of 4 and of 8 positions part-filled; three blocks of the values pass): the
-    # reference's result, and a prefill's last rows are what decoding them gives.
+    # (three blocks of the values pass, the last part-filled): the reference's result, and a prefill's
+    # last rows are what decoding them gives.
     heads, kv_heads, hd, n = 14, 2, 124, 150
     assert n > 2 * fk._SUM_BLOCK
     rng = np.random.default_rng(9)

@@ -64,6 +64,13 @@ _UNROLL = 4  # lane steps per loop iteration: one 64-byte line of an F16 row
 _STEP = _LANES * _UNROLL
 
 
+def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool) -> ir.Value:
+    """8 values of a row (F16 with half, converted) from index `at` on, as float32."""
+    elem, size = (ir.HalfType(), 2) if half else (ir.FloatType(), 4)
+    v = b.load(b.bitcast(b.gep(row, [at]), ir.VectorType(elem, _LANES).as_pointer()), align=size)
+    return b.fpext(v, ir.VectorType(ir.FloatType(), _LANES)) if half else v
+
+
 def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, half: bool) -> None:
     """The body of dot(w_addr, w_stride, n, x_addr, x_stride, n_tok, out_addr, out_stride), all i64:
     float32 out[t][r] = the sum over i < n of w_r[i] * x_t[i], for `rows` table rows w_r (F16 with
@@ -96,8 +103,7 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
             for _ in range(rows)]
 
     def lane_step(i: ir.Value, a: int) -> None:
-        wv = [b.load(b.bitcast(b.gep(w, [i]), ir.VectorType(elem, _LANES).as_pointer()), align=size) for w in ws]
-        wv = [b.fpext(v, vf) for v in wv] if half else wv
+        wv = [_f32_vector(b, w, i, half) for w in ws]
         for t in range(tile):
             xv = b.load(b.bitcast(b.gep(xs[t], [i]), vf.as_pointer()), align=4)
             for r in range(rows):
@@ -201,13 +207,6 @@ def emit_scores(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None:
                           b.add(out_i, b.mul(h0, out_stride)), out_stride], 1, heads, half)
 
     _in_head_chunks(b, n_heads, chunk)
-
-
-def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool) -> ir.Value:
-    """8 values of a row (F16 with half, converted) from index `at` on, as float32."""
-    elem, size = (ir.HalfType(), 2) if half else (ir.FloatType(), 4)
-    v = b.load(b.bitcast(b.gep(row, [at]), ir.VectorType(elem, _LANES).as_pointer()), align=size)
-    return b.fpext(v, ir.VectorType(ir.FloatType(), _LANES)) if half else v
 
 
 def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None:
