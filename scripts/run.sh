@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up (once) and run `bitnet-select run`; with no --model, the built-in model (trained on Shakespeare).
+# Without a prompt of its own (--prompt, -p), the run starts from "ROMEO:", whatever else is given.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/bitnet-select ] || scripts/setup.sh >&2
-if [ $# -eq 0 ]; then set -- --prompt "ROMEO:"; fi
-exec .venv/bin/bitnet-select run "$@"
+for arg in "$@"; do
+  case "$arg" in -p | -p?* | --prompt | --prompt=* | --help) exec .venv/bin/bitnet-select run "$@" ;; esac
+done
+exec .venv/bin/bitnet-select run --prompt "ROMEO:" "$@"

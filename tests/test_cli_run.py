@@ -114,3 +114,25 @@ def test_threads_flag_reaches_the_cpu_backend(env):
     cpu = next(row for row in json.loads(r.stdout) if row["backend"] == "cpu")
     assert cpu["device"]["properties"]["threads"] == 1
     assert run_cli("--threads", "0", env=env).returncode == 2
+
+
+def test_the_run_script_keeps_its_default_prompt_beside_other_options(env):
+    """`scripts/run.sh --max-tokens 4` starts from "ROMEO:" as the bare script does; a prompt given replaces it."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".venv" / "bin" / "bitnet-select").exists():
+        pytest.skip("scripts/run.sh runs the repository's .venv, which is not set up here")
+
+    def script(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(root / "scripts" / "run.sh"), *args], capture_output=True, text=True,
+                              env=env, timeout=300, stdin=subprocess.DEVNULL)
+
+    greedy = ("--max-tokens", "6", "--temperature", "0")
+    romeo = run_cli("--device", "cpu", "run", "--prompt", "ROMEO:", *greedy, env=env)
+    juliet = run_cli("--device", "cpu", "run", "--prompt", "JULIET:", *greedy, env=env)
+    assert romeo.returncode == juliet.returncode == 0 and romeo.stdout != juliet.stdout
+    bare = script(*greedy)
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout == romeo.stdout
+    for given in (("-p", "JULIET:"), ("--prompt=JULIET:",)):
+        r = script(*given, *greedy)
+        assert r.returncode == 0 and r.stdout == juliet.stdout, (given, r.stderr)
