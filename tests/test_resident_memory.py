@@ -1,5 +1,6 @@
-"""Peak RSS: file pages read once and kept in another form leave the resident set (release_pages), and the
-int8 LM head's load neither prefaults nor keeps the float table it was built from."""
+"""Peak RSS: file pages read once and kept in another form leave the resident set (release_pages), the
+int8 LM head's load neither prefaults nor keeps the float table it was built from, and a KV cache becomes
+resident only as its positions are written."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def resident(path: Path) -> int:
         elif inside and fields[0] == "Rss:":
             total += int(fields[1]) * 1024
     return total
+
+
+def resident_at(a: np.ndarray) -> int:
+    """Bytes resident in the mapping that holds array `a`'s first byte (from /proc/self/smaps)."""
+    address, inside = a.__array_interface__["data"][0], False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            inside = lo <= address < hi
+        elif inside and fields[0] == "Rss:":
+            return int(fields[1]) * 1024
+    raise AssertionError("no mapping holds the array")
 
 
 @pytest.fixture
@@ -67,3 +81,29 @@ def test_the_int8_head_keeps_no_float_table_resident(tmp_path: Path, monkeypatch
             "".join(eng.generate("Hello", max_tokens=2))
             assert resident(path) < table / 4, how  # projections, norms and the embedding rows looked up
     assert len(list((tmp_path / "cache" / "q8-head").glob("*.bin"))) == 1
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_a_kv_cache_is_resident_only_where_written(tmp_path: Path, kv_type: str) -> None:
+    """NumPy asks for 2 MB pages on large arrays: the CPU cache keeps each KV head's 4096 positions (2 MB of
+    float32 at head_dim 128) together, so the first token's writes made the whole cache resident (docs/design.md
+    section 6b). Two tokens must leave it at a few 4 KB pages per layer and head."""
+    spec = SyntheticSpec(arch="bitnet-b1.58", n_layers=2, dim=512, n_heads=4, n_kv_heads=4, ffn_dim=256,
+                         vocab_size=512, n_ctx=4096)
+    cache_bytes = 2 * 4 * 4096 * 128 * (4 if kv_type == "f32" else 2)
+    with bitnet.load(str(write_model(tmp_path / "m.gguf", spec)), device="cpu", kv_type=kv_type) as eng:
+        assert eng.n_ctx == 4096
+        "".join(eng.generate("Hello", max_tokens=2))
+        cache = eng.transformer.cache
+        for kv in (cache.k, cache.v):
+            assert kv.nbytes == cache_bytes
+            assert resident_at(kv) <= 2 * 4 * 4 * 4096, (kv_type, resident_at(kv))  # <= 4 pages a layer and head
+
+
+def test_the_host_kv_cache_every_provider_inherits_grows_with_its_positions() -> None:
+    from bitnet.runtime.reference import ReferenceProvider
+
+    cache = ReferenceProvider().kv_cache(2, 4096, 4, 128)  # [layers, seqs, positions, heads, dim]: 8 MB each
+    cache.k[:, 0, :8] = 1.0  # 16 KB a layer; V is untouched (K's mapping may have merged with it)
+    assert resident_at(cache.k) <= 2 * 8 * 4096
+    assert not cache.k[:, 0, 8:].any() and cache.k.flags.writeable
