@@ -51,7 +51,7 @@ def kv_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     any 2 MB of it zeroes (and, when memory is fragmented, first compacts) all 2 MB. A KV cache is
     written a position at a time: a CPU cache keeps each KV head's positions together, so the first
     token touched every head's 2 MB and made the whole cache resident. For 2B-4T at 4096 positions
-    (630 MB of float32 K and V) the first forward pass took 0.3-0.8 s longer on the 2-core AMD EPYC
+    (630 MB of float32 K and V) the first forward pass took 0.3-0.8 s longer on a 2-core Zen 3 EPYC
     and the resident set grew by the whole cache; attention over 4096 positions ran as fast on 4 KB
     pages. A private anonymous mapping without huge pages grows with the positions in use.
     """
