@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bitnet.modelfile import default_model
+from bitnet_cpu import isa
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -83,14 +84,7 @@ def avx2_styles(tmp_path: Path, tokens: int, *defines: str) -> subprocess.Comple
     return subprocess.run([str(exe), "check"], capture_output=True, text=True, timeout=60)
 
 
-def host_has_avx2() -> bool:
-    try:
-        return "avx2" in Path("/proc/cpuinfo").read_text(errors="ignore")
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(shutil.which("gcc") is None or not host_has_avx2(), reason="needs gcc and an AVX2 CPU")
+@pytest.mark.skipif(shutil.which("gcc") is None or "avx2" not in isa.host_levels(), reason="needs gcc and an AVX2 CPU")
 def test_the_avx2_kernel_styles_compute_the_reference_sums(tmp_path: Path) -> None:
     for tokens in (2, 8):
         r = avx2_styles(tmp_path, tokens)

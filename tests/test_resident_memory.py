@@ -4,6 +4,7 @@ resident only as its positions are written."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,29 +18,35 @@ from bitnet.modelfile.writer import SyntheticSpec, write_model
 MB = 1 << 20
 
 
-def resident(path: Path) -> int:
-    """Bytes of `path`'s pages resident in this process (every mapping of it, from /proc/self/smaps)."""
-    total, inside = 0, False
+def _rss(accepts: Callable[[list[str]], bool]) -> list[int]:
+    """Resident bytes of each mapping of this process whose /proc/self/smaps header line `accepts` (its fields)."""
+    out: list[int] = []
+    inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
-            inside = len(fields) >= 6 and fields[5] == str(path)
+            inside = accepts(fields)
         elif inside and fields[0] == "Rss:":
-            total += int(fields[1]) * 1024
-    return total
+            out.append(int(fields[1]) * 1024)
+    return out
+
+
+def resident(path: Path) -> int:
+    """Bytes of `path`'s pages resident in this process (every mapping of it)."""
+    return sum(_rss(lambda fields: len(fields) >= 6 and fields[5] == str(path)))
 
 
 def resident_at(a: np.ndarray) -> int:
-    """Bytes resident in the mapping that holds array `a`'s first byte (from /proc/self/smaps)."""
-    address, inside = a.__array_interface__["data"][0], False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            inside = lo <= address < hi
-        elif inside and fields[0] == "Rss:":
-            return int(fields[1]) * 1024
-    raise AssertionError("no mapping holds the array")
+    """Bytes resident in the mapping that holds array `a`'s first byte."""
+    address = a.__array_interface__["data"][0]
+
+    def holds(fields: list[str]) -> bool:
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        return lo <= address < hi
+
+    found = _rss(holds)
+    assert len(found) == 1, "no mapping holds the array"
+    return found[0]
 
 
 @pytest.fixture
