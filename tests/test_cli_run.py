@@ -116,6 +116,19 @@ def test_threads_flag_reaches_the_cpu_backend(env):
     assert run_cli("--threads", "0", env=env).returncode == 2
 
 
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_threads_flag_after_the_command_too(env, tmp_path, where):
+    """`run -t 1`, as llama.cpp's tools take it, runs on one thread as `-t 1 run` does: its receipt says so."""
+    receipt = tmp_path / "r.json"
+    args = ["run", "-p", "Hello", "-n", "2", "--receipt", str(receipt)]
+    args = ["--device", "cpu", *(["-t", "1", *args] if where == "before" else [*args, "-t", "1"])]
+    r = run_cli(*args, env={**env, "BITNET_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(receipt.read_text())["selection"]["device"]["properties"]["threads"] == 1
+    bad = run_cli("--device", "cpu", "run", "-p", "x", "-t", "0", env=env)
+    assert bad.returncode == 2 and "'--threads' / '-t': 0 is not in the range" in bad.stderr, bad.stderr
+
+
 def test_the_run_script_keeps_its_default_prompt_beside_other_options(env):
     """`scripts/run.sh --max-tokens 4` starts from "ROMEO:" as the bare script does; a prompt given replaces it."""
     root = Path(__file__).resolve().parent.parent

@@ -47,16 +47,27 @@ def _registry(ctx: click.Context):
     return ctx.obj["registry"]
 
 
+def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
+    if value is not None:
+        # The environment is the one channel every backend (and its thread pools) reads.
+        os.environ["BITNET_NUM_THREADS"] = str(value)
+
+
+# Before the command (`bitnet-select -t 2 run`) or after it, where llama.cpp's tools take it (`run -t 2`).
+_threads_option = click.option(
+    "--threads", "-t", type=click.IntRange(min=1), default=None, expose_value=False, callback=_set_threads,
+    help="CPU threads for backends that use them (sets BITNET_NUM_THREADS). Default: all cores.")
+
+
 @click.group(cls=Group, invoke_without_command=True, epilog=EXIT_CODES)
 @click.option("--device", "-d", metavar="REQUEST", default=None,
               help="auto, gpu, a backend name or alias (cuda, opencl, ocl, cpu, ...), NAME:INDEX, "
                    "or an ordered list a,b,c. Default: $BITNET_DEVICE, else auto.")
-@click.option("--threads", "-t", type=click.IntRange(min=1), default=None,
-              help="CPU threads for backends that use them (sets BITNET_NUM_THREADS). Default: all cores.")
+@_threads_option
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.version_option(__version__, prog_name="bitnet-select")
 @click.pass_context
-def main(ctx: click.Context, device: str | None, threads: int | None, debug: bool) -> None:
+def main(ctx: click.Context, device: str | None, debug: bool) -> None:
     """Select a compute backend for BitNet b1.58 inference and run models on it.
 
     With no command, print `requested=... detected=[...] selected=...` and exit 0 if a
@@ -64,9 +75,6 @@ def main(ctx: click.Context, device: str | None, threads: int | None, debug: boo
     """
     ctx.ensure_object(dict)
     ctx.obj.update(device=device, debug=debug)
-    if threads is not None:
-        # The environment is the one channel every backend (and its thread pools) reads.
-        os.environ["BITNET_NUM_THREADS"] = str(threads)
     if ctx.invoked_subcommand is None:
         from bitnet.plugins.selection import select
 
@@ -154,7 +162,8 @@ _model_option = click.option(
 _act_quant_option = click.option(
     "--act-quant", type=click.Choice(["row", "block256", "none"]), default="row", show_default=True,
     help="Activation quantization: BitNet per-row int8, llama.cpp's per-256 Q8_K, or float.")
-_quant_options = _options(
+_engine_options = _options(  # every command that loads a model
+    _threads_option,
     _act_quant_option,
     click.option("--lm-head", type=click.Choice(["f16", "q8", "auto"]), default="auto", show_default=True,
                  help="LM head: the file's float table (f16), an int8 copy built at load (q8: half the bytes "
@@ -165,7 +174,7 @@ _quant_options = _options(
 _context_options = _options(
     click.option("--n-ctx", type=click.IntRange(min=1), default=None,
                  help="Context length (default: the model's, at most 4096)."),
-    _quant_options)
+    _engine_options)
 # bitnet.runtime.sampling has their semantics.
 _sampling_options = _options(
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy."),
@@ -396,7 +405,7 @@ def _names(values: tuple[str, ...] | str | None) -> list[str]:
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed, the same for every run.")
-@_quant_options
+@_engine_options
 @click.option("--determinism", is_flag=True, help="Gate: every run of a prompt gives the same text.")
 @click.option("--min-decode-tps", type=float, default=None, help="Gate: median decode tokens/s per backend.")
 @click.option("--max-wall-ms", type=float, default=None, help="Gate: p95 wall time of one run, per backend.")
@@ -455,7 +464,7 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
 @click.option("--model-alias", default=None, help="The model name clients use. Default: the file's name.")
 @click.option("--chat-template", default=None, metavar="NAME|FILE",
               help="bitnet, llama3, chatml, falcon3, zephyr, or a Jinja file. Default: the model's own.")
-@_quant_options
+@_engine_options
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="On SIGTERM, seconds in-flight requests may take to finish before they are cancelled.")
 @click.pass_context
