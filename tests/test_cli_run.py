@@ -149,3 +149,11 @@ def test_the_run_script_keeps_its_default_prompt_beside_other_options(env):
     for given in (("-p", "JULIET:"), ("--prompt=JULIET:",)):
         r = script(*given, *greedy)
         assert r.returncode == 0 and r.stdout == juliet.stdout, (given, r.stderr)
+
+
+def test_llama_cpp_spellings_of_context_and_temperature(env):
+    """`-c`/`--ctx-size` set the context and `--temp` the temperature, as in llama.cpp's tools."""
+    for flag in ("-c", "--ctx-size"):
+        one_error_line(run_cli("--device", "cpu", "run", "-p", "Hello", "-n", "8", flag, "4", env=env), 2,
+                       "exceeds the context of 4")
+    one_error_line(run_cli("--device", "cpu", "run", "-p", "x", "--temp", "-1", env=env), 2, "temperature")

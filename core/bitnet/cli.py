@@ -172,12 +172,13 @@ _engine_options = _options(  # every command that loads a model
                  help="What the KV cache stores: float32, or f16 (llama.cpp's default: half the memory, faster "
                       "attention over long contexts; K and V rounded to F16)."))
 _context_options = _options(
-    click.option("--n-ctx", type=click.IntRange(min=1), default=None,
+    click.option("--n-ctx", "--ctx-size", "-c", "n_ctx", type=click.IntRange(min=1), default=None,
                  help="Context length (default: the model's, at most 4096)."),
     _engine_options)
 # bitnet.runtime.sampling has their semantics.
 _sampling_options = _options(
-    click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy."),
+    click.option("--temperature", "--temp", "temperature", type=float, default=0.0, show_default=True,
+                 help="0 is greedy."),
     click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables."),
     click.option("--top-p", type=float, default=1.0, show_default=True),
     click.option("--min-p", type=float, default=0.0, show_default=True,
@@ -401,7 +402,7 @@ def _names(values: tuple[str, ...] | str | None) -> list[str]:
 @click.option("--repetitions", "-r", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
               help="Unmeasured runs per backend first (kernels may compile on first use).")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--temperature", "--temp", "temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed, the same for every run.")
@@ -455,7 +456,7 @@ def bench(ctx: click.Context, devices: str | None, model: str | None, prompts: t
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
 @click.option("--parallel", "-np", type=click.IntRange(min=1), default=4, show_default=True,
               help="Sequences generated at once (continuous batching slots; each has its own KV cache of n-ctx).")
-@click.option("--n-ctx", type=click.IntRange(min=1), default=None,
+@click.option("--n-ctx", "--ctx-size", "-c", "n_ctx", type=click.IntRange(min=1), default=None,
               help="Context length of each sequence (default: the model's, at most 4096).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; past it, 429 with Retry-After.")
