@@ -129,7 +129,7 @@ def test_threads_flag_after_the_command_too(env, tmp_path, where):
     assert bad.returncode == 2 and "'--threads' / '-t': 0 is not in the range" in bad.stderr, bad.stderr
 
 
-def test_the_run_script_keeps_its_default_prompt_beside_other_options(env):
+def test_the_run_script_keeps_its_default_prompt_beside_other_options(env, tmp_path):
     """`scripts/run.sh --max-tokens 4` starts from "ROMEO:" as the bare script does; a prompt given replaces it."""
     root = Path(__file__).resolve().parent.parent
     if not (root / ".venv" / "bin" / "bitnet-select").exists():
@@ -146,7 +146,9 @@ def test_the_run_script_keeps_its_default_prompt_beside_other_options(env):
     bare = script(*greedy)
     assert bare.returncode == 0, bare.stderr
     assert bare.stdout == romeo.stdout
-    for given in (("-p", "JULIET:"), ("--prompt=JULIET:",)):
+    prompt_file = tmp_path / "juliet.txt"
+    prompt_file.write_text("JULIET:\n")
+    for given in (("-p", "JULIET:"), ("--prompt=JULIET:",), ("-f", str(prompt_file))):
         r = script(*given, *greedy)
         assert r.returncode == 0 and r.stdout == juliet.stdout, (given, r.stderr)
 
@@ -157,3 +159,24 @@ def test_llama_cpp_spellings_of_context_and_temperature(env):
         one_error_line(run_cli("--device", "cpu", "run", "-p", "Hello", "-n", "8", flag, "4", env=env), 2,
                        "exceeds the context of 4")
     one_error_line(run_cli("--device", "cpu", "run", "-p", "x", "--temp", "-1", env=env), 2, "temperature")
+    seeded = [run_cli("--device", "cpu", "run", "-p", "ROMEO:", "-n", "8", "--temp", "0.9", *flag, env=env).stdout
+              for flag in (("--seed", "3"), ("-s", "3"), ("-s", "4"))]
+    assert seeded[0] == seeded[1] != seeded[2]
+
+
+def test_the_prompt_from_a_file(env, tmp_path):
+    """`run -f FILE` (llama-cli's -f) reads the prompt from a file, one final newline dropped; '-' is stdin.
+    Exactly one of --prompt and --file; a file that is not UTF-8 is a usage error."""
+    greedy = ("-n", "6", "--temperature", "0")
+    direct = run_cli("--device", "cpu", "run", "-p", "ROMEO:\nWhat", *greedy, env=env)
+    assert direct.returncode == 0, direct.stderr
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"ROMEO:\nWhat\n")
+    for args, stdin in ((("-f", str(path)), None), (("--file", "-"), "ROMEO:\nWhat\n")):
+        r = subprocess.run([sys.executable, "-m", "bitnet", "--device", "cpu", "run", *args, *greedy],
+                           capture_output=True, text=True, env=env, input=stdin, timeout=300)
+        assert r.returncode == 0 and r.stdout == direct.stdout, (args, r.stderr)
+    one_error_line(run_cli("--device", "cpu", "run", *greedy, env=env), 2, "--prompt/-p or --file/-f")
+    one_error_line(run_cli("--device", "cpu", "run", "-p", "x", "-f", str(path), *greedy, env=env), 2, "one of them")
+    path.write_bytes(b"ROMEO:\xff\n")
+    one_error_line(run_cli("--device", "cpu", "run", "-f", str(path), *greedy, env=env), 2, "not UTF-8")

@@ -188,7 +188,24 @@ _sampling_options = _options(
     click.option("--presence-penalty", type=float, default=0.0, show_default=True),
     click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
     click.option("--ignore-eos", is_flag=True, help="Never stop at an end-of-generation token."),
-    click.option("--seed", type=int, default=None, help="Sampling seed: the same seed gives the same text."))
+    click.option("--seed", "-s", type=int, default=None, help="Sampling seed: the same seed gives the same text."))
+
+
+def _prompt_text(prompt: str | None, prompt_file: Any) -> str:
+    """The prompt of --prompt or of --file (exactly one of them), checked to be UTF-8."""
+    if (prompt is None) == (prompt_file is None):
+        raise UsageError("give the prompt with --prompt/-p or --file/-f, one of them")
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("the prompt is not valid UTF-8") from None
+        return prompt
+    try:
+        text = prompt_file.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{prompt_file.name}: not UTF-8 text (byte {exc.start})") from None
+    return text[:-1] if text.endswith("\n") else text
 
 
 def _extra_sampling(engine: Any, min_p: float, repeat_penalty: float, presence_penalty: float,
@@ -239,7 +256,9 @@ def chat(ctx: click.Context, model: str | None, system: str | None, chat_templat
 
 @main.command()
 @_model_option
-@click.option("--prompt", "-p", required=True, help="Prompt text.")
+@click.option("--prompt", "-p", default=None, help="Prompt text.")
+@click.option("--file", "-f", "prompt_file", type=click.File("rb"), default=None,
+              help="Read the prompt from a UTF-8 text file ('-': stdin), one final newline dropped, as llama-cli -f.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=0), default=64, show_default=True)
 @_sampling_options
 @_context_options
@@ -248,15 +267,12 @@ def chat(ctx: click.Context, model: str | None, system: str | None, chat_templat
               help="Write a JSON receipt of the run: the kernels dispatched, the device, timings, versions. "
                    "A fake device (BITNET_GPU_FAKE) gets a compute_path fake receipt, then exit 3.")
 @click.pass_context
-def run(ctx: click.Context, model: str | None, prompt: str, max_tokens: int, temperature: float, top_k: int,
-        top_p: float, min_p: float, repeat_penalty: float, presence_penalty: float, frequency_penalty: float,
-        ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str, lm_head: str, kv_type: str,
-        stop: tuple[str, ...], receipt: str | None) -> None:
+def run(ctx: click.Context, model: str | None, prompt: str | None, prompt_file: Any, max_tokens: int,
+        temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, presence_penalty: float,
+        frequency_penalty: float, ignore_eos: bool, seed: int | None, n_ctx: int | None, act_quant: str,
+        lm_head: str, kv_type: str, stop: tuple[str, ...], receipt: str | None) -> None:
     """Generate text: it streams to stdout; selection and timings go to stderr."""
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UsageError("the prompt is not valid UTF-8") from None
+    prompt = _prompt_text(prompt, prompt_file)
     from bitnet.runtime.engine import load
 
     from .errors import NoBackendError
