@@ -161,6 +161,17 @@ def test_scripted_commands(env: dict[str, str]) -> None:
     assert len([ln for ln in r.stderr.splitlines() if ln.startswith("prompt ")]) == 2
 
 
+def test_the_system_prompt_as_llama_cli_takes_it(env: dict[str, str]) -> None:
+    """`chat -p TEXT` is the system prompt, as in llama-cli's and bitnet.cpp's conversation mode."""
+    def first_prompt(*args: str) -> tuple[int, str]:
+        r = run_chat(env, "Hi\n", "-n", "4", "-v", *args)
+        assert r.returncode == 0, r.stderr
+        return int(next(ln for ln in r.stderr.splitlines() if ln.startswith("prompt ")).split()[1]), r.stdout
+
+    plain, system, short = first_prompt(), first_prompt("--system", "Be brief."), first_prompt("-p", "Be brief.")
+    assert short == system and system[0] > plain[0]
+
+
 def test_chat_errors_are_one_line(env: dict[str, str], tmp_path: Path) -> None:
     r = run_chat(env, "Hi\n", "--chat-template", "nope")
     assert r.returncode == 2 and "neither a built-in" in r.stderr and "Traceback" not in r.stderr

@@ -217,7 +217,8 @@ def _extra_sampling(engine: Any, min_p: float, repeat_penalty: float, presence_p
 
 @main.command()
 @_model_option
-@click.option("--system", "system", default=None, help="System prompt.")
+@click.option("--system", "-p", "system", default=None,
+              help="System prompt (-p as in `llama-cli -cnv -p` and bitnet.cpp's `run_inference.py -cnv -p`).")
 @click.option("--chat-template", default=None, metavar="NAME|FILE",
               help="bitnet, llama3, chatml, falcon3, zephyr, or a Jinja file. Default: the model's own, else one "
                    "chosen by its architecture and vocabulary.")
