@@ -114,6 +114,8 @@ def test_threads_flag_reaches_the_cpu_backend(env):
     cpu = next(row for row in json.loads(r.stdout) if row["backend"] == "cpu")
     assert cpu["device"]["properties"]["threads"] == 1
     assert run_cli("--threads", "0", env=env).returncode == 2
+    bad = run_cli("--device", "cpu", "run", "-p", "x", "-t", "0", env=env)  # after the command too
+    assert bad.returncode == 2 and "'--threads' / '-t': 0 is not in the range" in bad.stderr, bad.stderr
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
@@ -125,8 +127,6 @@ def test_threads_flag_after_the_command_too(env, tmp_path, where):
     r = run_cli(*args, env={**env, "BITNET_NUM_THREADS": "2"})
     assert r.returncode == 0, r.stderr
     assert json.loads(receipt.read_text())["selection"]["device"]["properties"]["threads"] == 1
-    bad = run_cli("--device", "cpu", "run", "-p", "x", "-t", "0", env=env)
-    assert bad.returncode == 2 and "'--threads' / '-t': 0 is not in the range" in bad.stderr, bad.stderr
 
 
 def test_the_run_script_keeps_its_default_prompt_beside_other_options(env, tmp_path):
