@@ -89,7 +89,7 @@ def _read(entry: Path, key: tuple, head: np.ndarray) -> Q8Table | None:
         q = np.memmap(entry, np.int8, mode="c", offset=_HEADER + 4 * vocab, shape=(vocab, dim))
     except Exception:  # missing, unreadable, truncated or another format: a miss, never an error
         return None
-    rows = np.unique(np.linspace(0, vocab - 1, min(vocab, CHECK_ROWS)).astype(np.intp))
+    rows = np.array(sorted(set(np.linspace(0, vocab - 1, min(vocab, CHECK_ROWS)).astype(np.intp).tolist())), np.intp)
     ref = q8_table(np.asarray(head[rows]))
     release_pages(head)  # the rows read, and the pages the kernel's read-around mapped beside them
     if not (np.array_equal(ref.q, q[rows]) and np.array_equal(ref.scale.view(np.uint32), scale[rows].view(np.uint32))):
