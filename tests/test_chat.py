@@ -172,6 +172,25 @@ def test_the_system_prompt_as_llama_cli_takes_it(env: dict[str, str]) -> None:
     assert short == system and system[0] > plain[0]
 
 
+def test_a_message_of_several_lines(env: dict[str, str]) -> None:
+    """Between lines of triple quotes (ollama run) or with backslashes ending all lines but the last
+    (llama-cli), lines make one message with its line breaks; a command inside a block is text."""
+    def prompts(stdin: str) -> list[int]:
+        r = run_chat(env, stdin, "-n", "2", "-v")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        return [int(ln.split()[1]) for ln in r.stderr.splitlines() if ln.startswith("prompt ")]
+
+    with bitnet.load(device="cpu") as e:  # the built-in model, as the chat runs with no -m
+        want = len(e.apply_chat_template([{"role": "user", "content": "line one\nline two"}]))
+        one_line = len(e.apply_chat_template([{"role": "user", "content": "line one line two"}]))
+    assert want != one_line
+    assert prompts('"""\nline one\nline two\n"""\n') == [want]
+    assert prompts('"""line one\nline two"""\n') == [want]
+    assert prompts("line one\\\nline two\n") == [want]
+    assert prompts('"""\nline one\nline two\n') == [want]  # the input ends inside the block: sent as it is
+    assert len(prompts('"""\n/clear\n"""\n')) == 1
+
+
 def test_chat_errors_are_one_line(env: dict[str, str], tmp_path: Path) -> None:
     r = run_chat(env, "Hi\n", "--chat-template", "nope")
     assert r.returncode == 2 and "neither a built-in" in r.stderr and "Traceback" not in r.stderr
@@ -198,6 +217,15 @@ def test_terminal_chat_ctrl_c_ends_the_reply_not_the_chat(env: dict[str, str]) -
         child.expect_exact(">>> ")  # the chat goes on
         child.sendline("/clear")
         child.expect_exact("(conversation cleared)")
+        child.expect_exact(">>> ")
+        child.sendline('"""')  # a message of several lines: continuation prompts until the closing quotes
+        child.expect_exact("... ")
+        child.sendline("Hello")
+        child.expect_exact("... ")
+        child.sendline('again"""')
+        child.expect(r"(\S+\s+){6}")
+        child.sendintr()
+        child.expect_exact("(reply stopped)")
         child.expect_exact(">>> ")
         child.sendintr()  # at the prompt: a hint, not an exit
         child.expect_exact("(/exit or Ctrl-D to quit)")

@@ -3,6 +3,9 @@
 On a terminal it prompts (`>>> `, with line editing where Python has readline); Ctrl-C ends the
 reply being written, not the chat; Ctrl-D or /exit ends the chat. With stdin not a terminal each
 line is one user message and only the replies are written, one per line, so it can be scripted.
+
+A message of several lines, on a terminal or not: between lines of three double quotes, as in
+`ollama run`, or with each line but the last ending in a backslash, as in llama-cli.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from typing import TextIO
 from bitnet.errors import UsageError
 from bitnet.runtime.conversation import Conversation
 
-HELP = """/clear          forget the conversation (the system prompt stays)
+HELP = '''/clear          forget the conversation (the system prompt stays)
 /system TEXT    set the system prompt (no TEXT: remove it)
 /exit, /bye     end the chat (also Ctrl-D)
 /help           this list
-Ctrl-C stops the reply being written."""
+""" ... """     a message of several lines (or end each line but the last with a backslash)
+Ctrl-C stops the reply being written.'''
+QUOTES = '"""'
+
 
 
 def run(conversation: Conversation, interactive: bool, verbose: bool, stdin: TextIO = sys.stdin,
@@ -30,31 +36,55 @@ def run(conversation: Conversation, interactive: bool, verbose: bool, stdin: Tex
         print(f"chat with {conversation.engine.name} (/help for commands, Ctrl-D to quit)", file=err)
     while True:
         try:
-            line = _read(interactive, stdin)
-        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+            text, block = _message(interactive, stdin)
+        except KeyboardInterrupt:  # at the prompt, or inside a message of several lines: a fresh prompt
             print("\n(/exit or Ctrl-D to quit)", file=err)
             continue
-        if line is None:
+        if text is None:
             return
-        text = line.rstrip("\r\n")
         if not text.strip():
             continue
-        if text.startswith("/"):
+        if text.startswith("/") and not block:
             if _command(conversation, text, err):
                 return
             continue
         _turn(conversation, text, verbose, out, err)
 
 
-def _read(interactive: bool, stdin: TextIO) -> str | None:
+def _message(interactive: bool, stdin: TextIO) -> tuple[str | None, bool]:
+    """The next message (None at the end of input), and whether it came as a block of lines: a one-line
+    message, or the lines of a triple-quoted or backslash-continued block. The quotes' own lines count
+    only where they hold text. A block the input ends inside is sent as far as it got."""
+    line = _read(interactive, stdin, ">>> ")
+    if line is None or not (line.startswith(QUOTES) or line.endswith("\\")):
+        return line, False
+    lines = []
+    if line.startswith(QUOTES):
+        line = line[len(QUOTES):]
+        while line is not None and not line.endswith(QUOTES):
+            lines.append(line)
+            line = _read(interactive, stdin, "... ")
+        if line is not None:
+            lines.append(line[:-len(QUOTES)])
+        lines = lines[1:] if lines and not lines[0] else lines
+        lines = lines[:-1] if lines and not lines[-1] else lines
+        return "\n".join(lines), True
+    while line is not None and line.endswith("\\"):
+        lines.append(line[:-1])
+        line = _read(interactive, stdin, "... ")
+    return "\n".join(lines if line is None else [*lines, line]), True
+
+
+def _read(interactive: bool, stdin: TextIO, prompt: str) -> str | None:
+    """One line without its line break; None at the end of input."""
     if interactive:
         try:
-            return input(">>> ")
+            return input(prompt)
         except EOFError:
             print(file=sys.stderr)
             return None
     line = stdin.readline()
-    return line if line else None
+    return line.rstrip("\r\n") if line else None
 
 
 def _command(conversation: Conversation, text: str, err: TextIO) -> bool:
