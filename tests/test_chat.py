@@ -191,6 +191,24 @@ def test_a_message_of_several_lines(env: dict[str, str]) -> None:
     assert len(prompts('"""\n/clear\n"""\n')) == 1
 
 
+def test_set_changes_the_next_replies_as_the_options_would(env: dict[str, str]) -> None:
+    """/set (ollama's `/set parameter NAME VALUE`, or without `parameter`) gives the reply the same option
+    on the command line gives; a bad name or value is one line and changes nothing."""
+    flags = run_chat(env, "Hi\n", "-n", "8", "--ignore-eos", "--temp", "1", "--seed", "3")
+    greedy = run_chat(env, "Hi\n", "-n", "8", "--ignore-eos")
+    typed = run_chat(env, "/set parameter temperature 1\n/set seed 3\n/set temperature -1\n/set top_k x\n/set nope 1\n"
+                          "/set seed\nHi\n/set num_predict 3\n/show\nHi\n", "-n", "8", "--ignore-eos", "-v")
+    assert all(r.returncode == 0 and "Traceback" not in r.stderr for r in (flags, greedy, typed)), typed.stderr
+    assert flags.stdout != greedy.stdout
+    assert typed.stdout.startswith(flags.stdout) and len(typed.stdout) > len(flags.stdout)  # a reply may hold "\n"
+    errors = [ln for ln in typed.stderr.splitlines() if ln.startswith(("error:", "usage:"))]
+    assert len(errors) == 4 and "temperature" in errors[0] and "top_k takes an integer" in errors[1], errors
+    assert "unknown parameter 'nope'" in errors[2] and errors[3].startswith("usage: /set")
+    replies = [int(ln.split("reply ")[1].split()[0]) for ln in typed.stderr.splitlines() if ln.startswith("prompt ")]
+    assert replies == [8, 3]
+    assert any(ln.split() == ["max_tokens", "3"] for ln in typed.stderr.splitlines())
+
+
 def test_chat_errors_are_one_line(env: dict[str, str], tmp_path: Path) -> None:
     r = run_chat(env, "Hi\n", "--chat-template", "nope")
     assert r.returncode == 2 and "neither a built-in" in r.stderr and "Traceback" not in r.stderr

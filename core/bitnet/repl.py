@@ -18,6 +18,10 @@ from bitnet.runtime.conversation import Conversation
 
 HELP = '''/clear          forget the conversation (the system prompt stays)
 /system TEXT    set the system prompt (no TEXT: remove it)
+/set [parameter] NAME VALUE
+                set max_tokens (num_predict) or a sampling option: temperature, top_k, top_p,
+                min_p, seed, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty
+/show           the options the next reply runs with
 /exit, /bye     end the chat (also Ctrl-D)
 /help           this list
 """ ... """     a message of several lines (or end each line but the last with a backslash)
@@ -98,6 +102,22 @@ def _command(conversation: Conversation, text: str, err: TextIO) -> bool:
     elif name == "/system":
         conversation.set_system(arg.strip())
         print("(system prompt set)" if arg.strip() else "(system prompt removed)", file=err)
+    elif name == "/set":
+        words = arg.split()
+        words = words[1:] if words[:1] == ["parameter"] else words  # ollama's spelling
+        if len(words) != 2:
+            print("usage: /set [parameter] NAME VALUE", file=err)
+            return False
+        try:
+            option = conversation.set_option(*words)
+        except UsageError as exc:
+            print(f"error: {exc}", file=err)
+        else:
+            print(f"({option} = {conversation.options()[option]})", file=err)
+    elif name == "/show":
+        for option, value in conversation.options().items():
+            if option != "logit_bias":
+                print(f"{option:<18}{value}", file=err)
     elif name == "/help":
         print(HELP, file=err)
     else:

@@ -16,6 +16,11 @@ from bitnet.errors import UsageError
 if TYPE_CHECKING:
     from bitnet.runtime.engine import Engine
 
+# What a chat's /set changes: max_tokens and the sampling options, by our names or ollama's.
+ALIASES = {"num_predict": "max_tokens", "repeat_last_n": "penalty_last_n"}
+INTEGER_OPTIONS = ("max_tokens", "top_k", "seed", "penalty_last_n")
+NUMBER_OPTIONS = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+
 
 class Conversation:
     def __init__(self, engine: Engine, system: str | None = None, max_tokens: int = 512, **sampling: Any) -> None:
@@ -33,6 +38,31 @@ class Conversation:
         self.messages = [m for m in self.messages if m["role"] != "system"]
         if text:
             self.messages.insert(0, {"role": "system", "content": text})
+
+    def set_option(self, name: str, value: str) -> str:
+        """Set max_tokens or a sampling option from its text for the turns to come, checked as the chat's
+        options were at its start (a UsageError leaves everything as it was); the option's own name."""
+        name = ALIASES.get(name, name)
+        if name not in INTEGER_OPTIONS + NUMBER_OPTIONS:
+            raise UsageError(f"unknown parameter {name!r}; one of {', '.join(INTEGER_OPTIONS + NUMBER_OPTIONS)}")
+        try:
+            number = int(value) if name in INTEGER_OPTIONS else float(value)
+        except ValueError:
+            raise UsageError(f"{name} takes {'an integer' if name in INTEGER_OPTIONS else 'a number'}, "
+                             f"got {value!r}") from None
+        if name == "max_tokens":
+            if number < 1:
+                raise UsageError(f"max_tokens must be an integer >= 1, got {number}")
+            self.max_tokens = number
+        else:
+            sampling = {**self.sampling, name: number}
+            self.engine.prepare([0], 1, **sampling)
+            self.sampling = sampling
+        return name
+
+    def options(self) -> dict[str, Any]:
+        """max_tokens and the sampling options the next turn runs with."""
+        return {"max_tokens": self.max_tokens, **self.sampling}
 
     def clear(self) -> None:
         """Forget every exchange; keep the system prompt."""
