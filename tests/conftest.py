@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -15,18 +16,37 @@ BITNET_ENV = ("BITNET_DEVICE", "BITNET_GPU_FAKE", "BITNET_STRICT_MODE", "BITNET_
 
 
 def opencl_platforms() -> list[str]:
-    """Names of the OpenCL platforms that have a device (PoCL, and Intel's CPU runtime where installed)."""
+    """Names of the OpenCL platforms whose first device compiles a kernel here (PoCL, and Intel's CPU
+    runtime where installed). A compiler that cannot target this CPU is left out: PoCL 3.0, the only
+    PoCL on PyPI, compiles with LLVM 14, which knows no AMD family after 25 (Zen 3 and 4), so on a Zen 5
+    every build fails with "unknown target CPU 'generic'". opencl_builds() says which and why."""
+    return [name for name, error in opencl_builds().items() if error is None]
+
+
+@functools.cache
+def opencl_builds() -> dict[str, str | None]:
+    """Each OpenCL platform with a device: None where a trivial kernel builds, else the compiler's error."""
     try:
         import pyopencl as cl
 
         from bitnet_opencl.icd import use_installed_runtimes
     except ImportError:
-        return []
+        return {}
     use_installed_runtimes()  # before this process's first OpenCL call, so Intel's runtime is listed too
+    found: dict[str, str | None] = {}
     try:
-        return [p.name.strip() for p in cl.get_platforms() if p.get_devices()]
+        platforms = [p for p in cl.get_platforms() if p.get_devices()]
     except cl.Error:
-        return []
+        return {}
+    for platform in platforms:
+        try:
+            ctx = cl.Context(platform.get_devices()[:1])
+            cl.Program(ctx, "kernel void one(global int *x) { x[0] = 1; }").build()
+            found[platform.name.strip()] = None
+        except cl.Error as exc:
+            errors = [ln.strip() for ln in str(exc).splitlines() if ln.strip().startswith("error:")]
+            found[platform.name.strip()] = errors[0] if errors else str(exc).splitlines()[0]
+    return found
 
 
 def cli_env(**overrides: str) -> dict[str, str]:

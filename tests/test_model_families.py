@@ -40,9 +40,10 @@ from test_crossval_llama import (  # noqa: E402
 import bitnet  # noqa: E402
 from bitnet.errors import ModelError  # noqa: E402
 from bitnet.modelfile.writer import SyntheticSpec, synthetic_weights, write_model  # noqa: E402
+from bitnet.testing.crossval import SHORT, crossval_prompts  # noqa: E402
 
 pytestmark = pytest.mark.llama
-N_CTX = 64
+N_CTX = 128  # the short prompts reach 67 tokens in a 512-token vocabulary
 TEXT = "BitNet ternary weights: the 1.58-bit llama, 12345 naïve café!"
 
 SMALL: dict[str, Any] = {"n_layers": 2, "dim": 256, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 512, "vocab_size": 512}
@@ -96,13 +97,14 @@ class Files:
         finally:
             eng.close()
 
-    def llama(self, name: str, spec: SyntheticSpec) -> tuple[list[int], np.ndarray]:
+    def llama(self, name: str, spec: SyntheticSpec, prompts: list[list[int]]) -> tuple[list[int], np.ndarray]:
+        """llama.cpp's token ids of TEXT, and its logits of TEXT's ids and then of each prompt's."""
         llm = llama_cpp.Llama(model_path=self.path(name, spec), n_ctx=N_CTX, n_batch=N_CTX, logits_all=True,
                               n_threads=2, verbose=False, flash_attn=False, type_k=GGML_TYPE_F32,
                               type_v=GGML_TYPE_F32)
         try:
             ids = list(llm.tokenize(TEXT.encode(), add_bos=True, special=False))
-            return ids, llama_logits(llm, ids)
+            return ids, np.concatenate([llama_logits(llm, p) for p in [ids, *prompts]])
         finally:
             llm.close()
 
@@ -113,12 +115,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Files]:
 
 
 def crossval(files: Files, name: str, spec: SyntheticSpec, act_quant: str, rule: Rule) -> None:
-    """Our logits against llama.cpp's on the same file and the same token ids."""
+    """Our logits against llama.cpp's on the same file: TEXT's token ids, then the 16 short prompts the
+    rules were measured on. TEXT alone is too few positions for a fraction: one Q8_K rounding flip at its
+    position 16 left 36 % of its 44 positions tight against llama.cpp's AVX-512 build on a Zen 5."""
     eng = bitnet.load(files.path(name, spec), device="cpu", n_ctx=N_CTX, act_quant=act_quant)
     try:
-        ids, ref = files.llama(name, spec)
+        prompts = crossval_prompts(eng.tokenize, SHORT)
+        ids, ref = files.llama(name, spec, prompts)
         assert eng.tokenize(TEXT) == ids
-        verdict = judge(eng.logits(ids), ref, rule)
+        verdict = judge(np.concatenate([eng.logits(p) for p in [ids, *prompts]]), ref, rule)
     finally:
         eng.close()
     assert verdict.ok, str(verdict)
@@ -176,8 +181,13 @@ def test_2b4t_quant_embd_q6_k(files: Files) -> None:
 
 # -- 1bitLLM bitnet_b1_58-large and -3B --------------------------------------------------------------
 
+# F16 weights: llama.cpp rounds every layer's input to F16 before its F16 products, not only the LM head's:
+# measured median 6.4e-4, worst 1.2e-3 of the largest logit over the 704 positions of crossval's prompts.
+RULE_FLOAT_F16_WEIGHTS = dataclasses.replace(RULE_FLOAT_F16, name="float, F16 weights", tight=2e-3, worst=2e-3)
+
+
 @pytest.mark.parametrize("weight_type, act_quant, rule", [
-    ("tq2_0", "block256", RULE_Q8K), ("tq1_0", "block256", RULE_Q8K), ("f16", "none", RULE_FLOAT_F16)])
+    ("tq2_0", "block256", RULE_Q8K), ("tq1_0", "block256", RULE_Q8K), ("f16", "none", RULE_FLOAT_F16_WEIGHTS)])
 def test_1bitllm_large_as_llamacpp_converts_it(files: Files, weight_type: str, act_quant: str, rule: Rule) -> None:
     crossval(files, f"large.{weight_type}", twin(LARGE, weight_type=weight_type), act_quant, rule)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from bitnet.modelfile.writer import SyntheticSpec, write_model
-from conftest import cli_env, opencl_platforms, run_cli
+from conftest import cli_env, opencl_builds, opencl_platforms, run_cli
 
 cl = pytest.importorskip("pyopencl")
 
@@ -38,7 +38,8 @@ PLATFORMS = opencl_platforms()
 POCL = "Portable Computing Language"
 INTEL = "Intel(R) OpenCL"
 pytestmark = [pytest.mark.opencl, pytest.mark.skipif(not PLATFORMS, reason="no OpenCL device to probe")]
-needs_pocl = pytest.mark.skipif(POCL not in PLATFORMS, reason="these cases use PoCL's own POCL_DEVICES")
+needs_pocl = pytest.mark.skipif(POCL not in PLATFORMS, reason="these cases use PoCL's own POCL_DEVICES; PoCL "
+                                f"{opencl_builds().get(POCL) or 'is not installed'}")
 SITECUSTOMIZE = """\
 import os
 import pyopencl  # sets PYOPENCL_HOME to its own directory, whose .libs holds the wheel's PoCL ICD

@@ -24,6 +24,7 @@ from bitnet.runtime.reference import ReferenceProvider
 from bitnet_opencl.icd import use_installed_runtimes
 from bitnet_opencl.probe import device_features
 from bitnet_opencl.provider import OpenCLProvider
+from conftest import opencl_builds, opencl_platforms
 
 use_installed_runtimes()  # before this process's first OpenCL call, so Intel's runtime is listed too
 
@@ -34,7 +35,7 @@ WIDE_LOADS = "#define HAS_WIDE_LOADS 1\n" + VENDOR_OPENCL
 
 
 def _devices() -> dict[str, Device]:
-    """The first device of each platform, by platform name."""
+    """The first device of each platform whose compiler works here, by platform name."""
     try:
         platforms = cl.get_platforms()
     except cl.Error:
@@ -44,6 +45,8 @@ def _devices() -> dict[str, Device]:
         try:
             dev = platform.get_devices()[0]
         except (cl.Error, IndexError):
+            continue
+        if platform.name.strip() not in opencl_platforms():
             continue
         found[platform.name.strip()] = Device("opencl", 0, dev.name.strip(),
                                               properties={"platform_index": p_index, "device_index": 0})
@@ -430,6 +433,21 @@ def test_build_failure_raises_with_build_log(device):
     with pytest.raises(NoBackendError, match="no_such_symbol") as err:
         OpenCLProvider(device, source=broken)
     assert "build failed" in str(err.value)
+
+
+UNUSABLE = {name: error for name, error in opencl_builds().items() if error is not None}
+
+
+@pytest.mark.parametrize("name", list(UNUSABLE) or [pytest.param("none", marks=pytest.mark.skip(
+    reason="every OpenCL compiler here builds kernels"))])
+def test_a_platform_left_out_of_these_tests_cannot_build_our_kernels(name):
+    """The tests leave out a platform whose compiler fails a trivial kernel (conftest.opencl_builds):
+    the provider must fail there too, with that compiler's error, so nothing that runs is hidden."""
+    p_index = [p.name.strip() for p in cl.get_platforms()].index(name)
+    dev = Device("opencl", 0, name, properties={"platform_index": p_index, "device_index": 0})
+    with pytest.raises(NoBackendError, match="build failed") as err:
+        OpenCLProvider(dev)
+    assert UNUSABLE[name] in str(err.value)
 
 
 def test_from_host_makes_an_activation(fresh):
