@@ -94,6 +94,22 @@ def test_the_compile_check_sees_a_missing_instruction() -> None:
     assert not any("vpdpbusd" in i for i in _instructions(dot_ir.assembly("avx2", q8=True)))
 
 
+def _zmm_spills(asm: str) -> list[str]:
+    return [ln.strip() for ln in asm.splitlines() if re.search(r"\bvmov\w*\s+%zmm\d+, -?\d*\(%rsp\)", ln)]
+
+
+@pytest.mark.parametrize("tile", [1, dot_ir.TILE, dot_ir.WIDE])
+def test_vnni_accumulators_stay_in_registers(tile: int) -> None:
+    # Four accumulators per token (one per 2-bit field) for 8 tokens were 32 zmm registers, all there are:
+    # the 8-token pass stored and reloaded three of them in every block. From TILE tokens on the fields share one.
+    assert _zmm_spills(dot_ir.assembly("avx512vnni", "icelake-server", tile)) == []
+
+
+def test_the_spill_check_sees_a_spill() -> None:
+    spilled = "\tvpdpbusd\t-192(%r14,%rcx), %zmm1, %zmm8\n\tvmovdqu64\t%zmm8, 64(%rsp)\n"
+    assert _zmm_spills(spilled) == ["vmovdqu64\t%zmm8, 64(%rsp)"]
+
+
 def test_unknown_level_is_refused_by_the_emitter() -> None:
     with pytest.raises(ValueError, match="unknown ISA level"):
         dot_ir.dot_module("sse9")

@@ -79,6 +79,15 @@ _lane = np.arange(BLOCK)
 MIRRORED_PERM = 128 * ((_lane % 64) // 32) + 32 * (3 - _lane // 64) + _lane % 32
 
 
+def test_activation_rows_start_on_cache_lines() -> None:
+    # A 512-bit load from a 16-byte aligned row spans two lines: a B=8 step's BitLinear ran at half speed.
+    rows = isa.kernels(LEVELS[0]).int8_rows
+    for n, cols in [(1, 64), (3, 2560), (8, 6912), (5, 256)] * 8:
+        q = rows(n, cols)
+        assert q.shape == (n, cols) and q.dtype == np.int8 and q.flags.c_contiguous
+        assert q.ctypes.data % 64 == 0
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_quantize_rows_is_bit_exact(level: str) -> None:
     rng = np.random.default_rng(0)

@@ -87,11 +87,14 @@ def _width(isa: str) -> int:
 class _Block:
     """Emits one level's accumulators and per-256-block update."""
 
-    def __init__(self, builder: ir.IRBuilder, isa: str) -> None:
+    def __init__(self, builder: ir.IRBuilder, isa: str, tile: int = 1) -> None:
         if isa not in LEVELS:
             raise ValueError(f"unknown ISA level {isa!r}")
         self.b, self.isa = builder, isa
         self.vnni = isa in _VNNI
+        # VNNI with TILE or more tokens: their accumulators are already independent chains, and four per
+        # token (8 tokens: 32 zmm) spilled to the stack in every block, so the fields share one.
+        self.split = self.vnni and tile < TILE
         self.width = _width(isa)
         mod = builder.module
         if self.vnni:
@@ -115,7 +118,7 @@ class _Block:
     def n_acc(self) -> int:
         # VNNI: one accumulator per 2-bit field, so the vpdpbusd of a block do not wait on each
         # other's latency (one chain ran at half the memory bandwidth).
-        return 4 if self.vnni else 1
+        return 4 if self.split else 1
 
     def zero(self) -> ir.Constant:
         return ir.Constant(self.acc_type, None)
@@ -145,7 +148,7 @@ class _Block:
                 out += [b.and_(v, _splat(_I8, n, mask)) for v in (w, hi) for mask in (3, 12)]
                 continue
             for s in range(4):
-                if self.vnni:
+                if self.split:
                     # Masked in place, not shifted: field s is c * 4**s <= 128, still a valid u8 operand,
                     # and its accumulator is divided by 4**s exactly at the end (one op fewer per field).
                     out.append(b.and_(w, _splat(_I8, n, 3 << (2 * s))))
@@ -162,7 +165,8 @@ class _Block:
             for g in range(parts):
                 for s in range(4):
                     q = b.bitcast(self.load(qptr, 64 * s + n * g, n), self.acc_type)
-                    accs[s] = b.call(self.dpbusd, [accs[s], b.bitcast(codes[4 * g + s], self.acc_type), q])
+                    a = s if self.split else 0
+                    accs[a] = b.call(self.dpbusd, [accs[a], b.bitcast(codes[4 * g + s], self.acc_type), q])
             return accs
         acc = accs[0]
         if self.isa == "avx2":
@@ -241,7 +245,7 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     out[t * n_blocks + b].
     """
     w_i, nb, wstep, q_i, stride, ntok, out_i = args
-    blk = _Block(builder, isa)
+    blk = _Block(builder, isa, tile)
     w0 = builder.inttoptr(w_i, _I8.as_pointer())
     out = builder.inttoptr(out_i, _I32.as_pointer())
     qrows = _token_rows(builder, q_i, stride, ntok, tile)

@@ -266,7 +266,9 @@ class CpuProvider(ReferenceProvider):
         self._use_threads()
         q, s = quantize_rows(x)  # NumPy: a few rows, and the reference's own rounding
         out = np.empty((q.shape[0], table.shape[0]), dtype=np.float32)
-        self._tk.lm_head_q8(q.astype(np.int8), s, table.q, table.scale, _LM_HEAD_ROWS, out)  # |q| <= 127: absmax
+        q8 = self._tk.int8_rows(*q.shape)  # rows on cache lines (see int8_rows)
+        q8[...] = q  # |q| <= 127: absmax
+        self._tk.lm_head_q8(q8, s, table.q, table.scale, _LM_HEAD_ROWS, out)
         return out
 
     def rmsnorm(self, x: Any, w: Any, eps: float) -> Any:
