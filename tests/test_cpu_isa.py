@@ -98,11 +98,20 @@ def _zmm_spills(asm: str) -> list[str]:
     return [ln.strip() for ln in asm.splitlines() if re.search(r"\bvmov\w*\s+%zmm\d+, -?\d*\(%rsp\)", ln)]
 
 
-@pytest.mark.parametrize("tile", [1, dot_ir.TILE, dot_ir.WIDE])
-def test_vnni_accumulators_stay_in_registers(tile: int) -> None:
+@pytest.mark.parametrize("tile, rows", [(1, 1), (dot_ir.TILE, 1), (dot_ir.WIDE, 1), (dot_ir.TILE, 2), (dot_ir.WIDE, 2)])
+def test_vnni_accumulators_stay_in_registers(tile: int, rows: int) -> None:
     # Four accumulators per token (one per 2-bit field) for 8 tokens were 32 zmm registers, all there are:
-    # the 8-token pass stored and reloaded three of them in every block. From TILE tokens on the fields share one.
-    assert _zmm_spills(dot_ir.assembly("avx512vnni", "icelake-server", tile)) == []
+    # the 8-token pass stored and reloaded three of them in every block. From TILE tokens on the fields share one,
+    # and two rows per pass (16 accumulators, 8 code fields) still fit.
+    asm = dot_ir.assembly("avx512vnni", "icelake-server", tile, rows=rows)
+    assert _zmm_spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
+
+
+def test_two_rows_per_pass_are_vnni_only() -> None:
+    with pytest.raises(ValueError, match="VNNI pass without per-block sums"):
+        dot_ir.dot_module("avx2", dot_ir.WIDE, rows=2)
+    with pytest.raises(ValueError, match="VNNI pass without per-block sums"):
+        dot_ir.dot_module("avx512vnni", dot_ir.TILE, per_block=True, rows=2)
 
 
 def test_the_spill_check_sees_a_spill() -> None:

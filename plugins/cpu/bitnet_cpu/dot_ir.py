@@ -158,16 +158,9 @@ class _Block:
 
     def update(self, accs: list[ir.Value], codes: list[ir.Value], qptr: ir.Value) -> list[ir.Value]:
         """accs + the block's sum(c * q); qptr points at the block's 256 activations in byte order."""
-        b, n = self.b, self.width
-        parts = BLOCK_BYTES // n
+        b = self.b
         if self.vnni:
-            accs = list(accs)
-            for g in range(parts):
-                for s in range(4):
-                    q = b.bitcast(self.load(qptr, 64 * s + n * g, n), self.acc_type)
-                    a = s if self.split else 0
-                    accs[a] = b.call(self.dpbusd, [accs[a], b.bitcast(codes[4 * g + s], self.acc_type), q])
-            return accs
+            return self.update_rows([accs], [codes], qptr)[0]
         acc = accs[0]
         if self.isa == "avx2":
             return [b.add(acc, self.widen(self.pairs(codes, qptr)))]
@@ -176,6 +169,19 @@ class _Block:
             prod = b.mul(b.zext(codes[s], v64), b.sext(self.load(qptr, 64 * s, 64), v64))
             acc = b.add(acc, b.call(self.reduce_wide, [prod]))
         return [acc]
+
+    def update_rows(self, accs: list[list[ir.Value]], codes: list[list[ir.Value]],
+                    qptr: ir.Value) -> list[list[ir.Value]]:
+        """VNNI: each row's accs + the block's sum(c * q) for that row's codes, each activation loaded once."""
+        b, n = self.b, self.width
+        accs = [list(a) for a in accs]
+        for g in range(BLOCK_BYTES // n):
+            for s in range(4):
+                q = b.bitcast(self.load(qptr, 64 * s + n * g, n), self.acc_type)
+                a = s if self.split else 0
+                for row, c in zip(accs, codes, strict=True):
+                    row[a] = b.call(self.dpbusd, [row[a], b.bitcast(c[4 * g + s], self.acc_type), q])
+        return accs
 
     def pairs(self, codes: list[ir.Value], qptr: ir.Value) -> ir.Value:
         """AVX2: the block's sum(c * q) as int16 lanes, each the sum of its 8 pmaddubsw pair products
@@ -235,22 +241,33 @@ def _store(builder: ir.IRBuilder, out: ir.Value, ntok: ir.Value, t: int, index: 
         builder.store(value, builder.gep(out, [index]))
 
 
-def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: bool, isa: str) -> None:
-    """The body of dot(w_addr, n_blocks, w_stride, q_addr, q_stride, n_tok, out_addr), all i64.
+def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: bool, isa: str, rows: int = 1) -> None:
+    """The body of dot(w_addr, n_blocks, w_stride, q_addr, q_stride, n_tok, out_addr[, row_stride]), all i64.
 
     One row of codes (n_blocks blocks of 64 bytes, w_stride apart, from w_addr) times `tile`
     token rows of activations (int8 in byte order, q_stride bytes apart), reading each weight
     byte once for all of them. Tokens past n_tok (<= tile) reuse the last row and are not
     stored. Writes int32 out[t] = the row's sum(c * q) for token t, or with per_block
     out[t * n_blocks + b].
+
+    rows=2 (VNNI, without per_block): the rows at w_addr and w_addr + row_stride, each activation
+    loaded once for both (a pass of 8 tokens made a 64-byte load per vpdpbusd, as many as the core
+    can issue); out[2 * t + r].
     """
-    w_i, nb, wstep, q_i, stride, ntok, out_i = args
+    w_i, nb, wstep, q_i, stride, ntok, out_i = args[:7]
     blk = _Block(builder, isa, tile)
+    if rows > 1 and (not blk.vnni or per_block):
+        raise ValueError("several rows per pass are a VNNI pass without per-block sums")
     w0 = builder.inttoptr(w_i, _I8.as_pointer())
     out = builder.inttoptr(out_i, _I32.as_pointer())
     qrows = _token_rows(builder, q_i, stride, ntok, tile)
     if isa == "avx2" and not per_block and tile == 1:
         _store(builder, out, ntok, 0, ir.Constant(_I64, 0), _avx2_one_token(builder, blk, w0, nb, wstep, qrows[0]))
+        return
+    if rows > 1:
+        w_rows = [builder.inttoptr(builder.add(w_i, builder.mul(args[7], ir.Constant(_I64, r))), _I8.as_pointer())
+                  for r in range(rows)]
+        _rows_loop(builder, blk, w_rows, nb, wstep, qrows, out, ntok)
         return
     accs = [[cgutils.alloca_once_value(builder, blk.zero()) for _ in range(blk.n_acc)] for _ in range(tile)]
     if isa == "avx2" and not per_block:
@@ -260,6 +277,26 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     if not per_block:
         for t in range(tile):
             _store(builder, out, ntok, t, ir.Constant(_I64, t), blk.total([builder.load(a) for a in accs[t]]))
+
+
+def _rows_loop(builder: ir.IRBuilder, blk: _Block, w_rows: list[ir.Value], nb: ir.Value, wstep: ir.Value,
+               qrows: list[ir.Value], out: ir.Value, ntok: ir.Value) -> None:
+    """VNNI, several rows per pass: each block's codes of every row, then each token's activations once for all."""
+    b, n_rows = builder, len(w_rows)
+    accs = [[[cgutils.alloca_once_value(b, blk.zero()) for _ in range(blk.n_acc)] for _ in w_rows] for _ in qrows]
+    with cgutils.for_range(b, nb) as loop:
+        fields = [_block_codes(b, blk, w, wstep, loop.index) for w in w_rows]
+        qoff = fields[0][1]
+        for t, qrow in enumerate(qrows):
+            now = [[b.load(a) for a in row] for row in accs[t]]
+            for row, vals in zip(accs[t], blk.update_rows(now, [f[0] for f in fields], b.gep(qrow, [qoff])),
+                                 strict=True):
+                for a, v in zip(row, vals, strict=True):
+                    b.store(v, a)
+    for t in range(len(qrows)):
+        for r in range(n_rows):
+            total = blk.total([b.load(a) for a in accs[t][r]])
+            _store(b, out, ntok, t, ir.Constant(_I64, n_rows * t + r), total)
 
 
 def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Value,
@@ -435,13 +472,14 @@ def _function(name: str, ret: ir.Type, n_args: int) -> tuple[ir.Module, ir.Funct
     return module, fn, ir.IRBuilder(fn.append_basic_block("entry"))
 
 
-def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = False) -> str:
+def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = False, rows: int = 1) -> str:
     """LLVM IR text of a module holding one dot function of this level (emit_dot, or with q8 emit_q8_dot)."""
-    module, fn, builder = _function(f"{'q8' if q8 else 'ternary'}_dot_{isa}", ir.VoidType(), 6 if q8 else 7)
+    n_args = 6 if q8 else 7 if rows == 1 else 8
+    module, fn, builder = _function(f"{'q8' if q8 else 'ternary'}_dot_{isa}", ir.VoidType(), n_args)
     if q8:
         emit_q8_dot(builder, list(fn.args), tile, isa)
     else:
-        emit_dot(builder, list(fn.args), tile, per_block, isa)
+        emit_dot(builder, list(fn.args), tile, per_block, isa, rows)
     builder.ret_void()
     return str(module)
 
@@ -453,13 +491,14 @@ def peak_module(isa: str) -> str:
     return str(module)
 
 
-def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool = False, q8: bool = False) -> str:
+def assembly(isa: str, cpu: str | None = None, tile: int = TILE, per_block: bool = False, q8: bool = False,
+             rows: int = 1) -> str:
     """x86-64 assembly of this level's dot for `cpu` (default CHECK_CPU[isa]), optimized as numba would.
 
     Nothing is executed: this is how a level the host lacks is checked, since numba compiles
     for the host only and LLVM aborts the process on an intrinsic the target cannot select.
     """
-    return _compile(dot_module(isa, tile, per_block, q8), cpu or CHECK_CPU[isa])
+    return _compile(dot_module(isa, tile, per_block, q8, rows), cpu or CHECK_CPU[isa])
 
 
 def peak_assembly(isa: str, cpu: str | None = None) -> str:

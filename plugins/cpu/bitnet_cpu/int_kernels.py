@@ -56,6 +56,22 @@ def _make_dot(tile: int, per_block: bool) -> Callable[..., Any]:
     return dot
 
 
+def _make_dot2(tile: int) -> Callable[..., Any]:
+    """An intrinsic dot2(w_addr, n_blocks, w_stride, q_addr, q_stride, n_tok, out_addr, row_stride) -> None: two
+    rows per pass (see emit_dot, rows=2)."""
+
+    @intrinsic
+    def dot2(typingctx: Any, w_addr: Any, n_blocks: Any, w_stride: Any, q_addr: Any, q_stride: Any, n_tok: Any,
+             out_addr: Any, row_stride: Any) -> Any:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            emit_dot(builder, list(args), tile, False, ISA, rows=2)
+            return context.get_dummy_value()
+
+        return types.void(*[types.intp] * 8), codegen
+
+    return dot2
+
+
 def _make_q8_dot(tile: int) -> Callable[..., Any]:
     """An intrinsic q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr) -> None (see emit_q8_dot)."""
 
@@ -189,13 +205,28 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
     divisors are 127/max|x| or 1, never 0)."""
     one, two, tile = (_make_dot(t, per_block) for t in (1, 2, TILE))
     big = _make_dot(WIDE, per_block) if wide else tile
+    # VNNI, TILE tokens or more: two rows per pass share each activation load (see emit_dot).
+    pairs = ISA in ("avx512vnni", "avxvnni") and not per_block
+    tile2 = _make_dot2(TILE) if pairs else tile
+    big2 = _make_dot2(WIDE) if pairs and wide else tile2
 
     @njit(inline="always", cache=CACHE)
     def sums(w0: int, wstride: int, r0: int, r1: int, nb: int, bstride: int, qaddr: int, qstride: int, nt: int,
              isum: np.ndarray, acc: np.ndarray) -> None:
         k = nb if per_block else 1
-        for r in range(r0, r1):
+        r = r0
+        while r < r1:
             waddr = w0 + r * wstride
+            if pairs and nt >= TILE and r + 1 < r1:
+                if nt <= TILE:
+                    tile2(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data, wstride)
+                else:
+                    big2(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data, wstride)
+                for i in range(nt):
+                    acc[i, 0, r - r0] = isum[2 * i]
+                    acc[i, 0, r + 1 - r0] = isum[2 * i + 1]
+                r += 2
+                continue
             if nt == 1:
                 one(waddr, nb, bstride, qaddr, qstride, 1, isum.ctypes.data)
             elif nt == 2:
@@ -207,6 +238,7 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
             for i in range(nt):
                 for b in range(k):
                     acc[i, b, r - r0] = isum[i * k + b]
+            r += 1
 
     return sums
 
@@ -230,7 +262,7 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
     for task in prange(tasks.shape[0]):
         w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
         first, height = tasks[task, 4], tasks[task, 5]
-        isum, acc = np.empty(WIDE, np.int32), np.empty((WIDE, 1, r1 - r0), np.int32)
+        isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, r1 - r0), np.int32)
         scale = row_scale[first + r0:first + r1]
         t0 = 0
         while t0 < n:
