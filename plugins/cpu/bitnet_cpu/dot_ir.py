@@ -366,13 +366,15 @@ def _avx2_row_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Valu
 
 
 def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str) -> None:
-    """The body of q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr), all i64.
+    """The body of q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr), all i64.
 
     One int8 row (n_chunks * CHUNK values from w_addr) times `tile` int8 token rows in natural
     order (q_stride bytes apart), all within [-127, 127]; int32 out[t] = sum(w * q), exact.
-    Tokens past n_tok reuse the last row and are not stored.
+    Tokens past n_tok reuse the last row and are not stored. qsum_addr: int32 per token, the sum of
+    its n_chunks * CHUNK values; VNNI multiplies w + 128 (w with its sign bit flipped, an unsigned
+    byte) by q and subtracts 128 * that sum, so a token's chunk is one vpdpbusd and no sign work.
     """
-    w_i, n_chunks, q_i, stride, ntok, out_i = args
+    w_i, n_chunks, q_i, stride, ntok, out_i, qsum_i = args
     b = builder
     blk = _Block(builder, isa)
     n = blk.width
@@ -393,6 +395,8 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
         if isa == "generic":
             v32 = _vec(_I32, n)
             wide = [b.sext(w, v32) for w in parts]
+        elif blk.vnni:
+            biased = [b.xor(w, _splat(_I8, n, -128)) for w in parts]
         else:
             mags = [b.call(absb, [w, ir.Constant(ir.IntType(1), 0)]) for w in parts]
         for t in range(tile):
@@ -406,12 +410,18 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
                     p = b.call(blk.maddubs, [mags[g], b.call(psign, [q, w])])
                     acc = b.add(acc, b.call(blk.maddwd, [p, _splat(_I16, 16, 1)]))
                 else:
-                    signed = b.select(b.icmp_signed("<", w, ir.Constant(v8, None)), b.sub(ir.Constant(v8, None), q), q)
-                    acc = b.call(blk.dpbusd, [acc, b.bitcast(mags[g], blk.acc_type), b.bitcast(signed, blk.acc_type)])
+                    acc = b.call(blk.dpbusd, [acc, b.bitcast(biased[g], blk.acc_type), b.bitcast(q, blk.acc_type)])
             b.store(acc, accs[t])
+    qsum = b.inttoptr(qsum_i, _I32.as_pointer())
+    last = b.sub(ntok, ir.Constant(_I64, 1))
     for t in range(tile):
         acc = b.load(accs[t])
-        _store(b, out, ntok, t, ir.Constant(_I64, t), acc if blk.lanes == 1 else b.call(blk.reduce, [acc]))
+        total = acc if blk.lanes == 1 else b.call(blk.reduce, [acc])
+        if blk.vnni:
+            row = ir.Constant(_I64, t)
+            row = b.select(b.icmp_signed("<", row, ntok), row, last)
+            total = b.sub(total, b.shl(b.load(b.gep(qsum, [row])), ir.Constant(_I32, 7)))
+        _store(b, out, ntok, t, ir.Constant(_I64, t), total)
 
 
 # -- the multiply-add probe: what a level's instruction can do on this core, for the benchmarks ----------
@@ -474,7 +484,7 @@ def _function(name: str, ret: ir.Type, n_args: int) -> tuple[ir.Module, ir.Funct
 
 def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = False, rows: int = 1) -> str:
     """LLVM IR text of a module holding one dot function of this level (emit_dot, or with q8 emit_q8_dot)."""
-    n_args = 6 if q8 else 7 if rows == 1 else 8
+    n_args = 8 if rows == 2 else 7
     module, fn, builder = _function(f"{'q8' if q8 else 'ternary'}_dot_{isa}", ir.VoidType(), n_args)
     if q8:
         emit_q8_dot(builder, list(fn.args), tile, isa)

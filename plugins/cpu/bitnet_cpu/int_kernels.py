@@ -73,16 +73,16 @@ def _make_dot2(tile: int) -> Callable[..., Any]:
 
 
 def _make_q8_dot(tile: int) -> Callable[..., Any]:
-    """An intrinsic q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr) -> None (see emit_q8_dot)."""
+    """An intrinsic q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr) -> None (see emit_q8_dot)."""
 
     @intrinsic
     def q8dot(typingctx: Any, w_addr: Any, n_chunks: Any, q_addr: Any, q_stride: Any, n_tok: Any,
-              out_addr: Any) -> Any:
+              out_addr: Any, qsum_addr: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
             emit_q8_dot(builder, list(args), tile, ISA)
             return context.get_dummy_value()
 
-        return types.void(*[types.intp] * 6), codegen
+        return types.void(*[types.intp] * 7), codegen
 
     return q8dot
 
@@ -111,6 +111,7 @@ def multiply_peak(n_iter: int, parts: int) -> int:
 _q8_dot_1 = _make_q8_dot(1)
 _q8_dot_2 = _make_q8_dot(2)
 _q8_dot = _make_q8_dot(TILE)
+_q8_dot_wide = _make_q8_dot(WIDE)  # from 5 tokens on: each row read once for up to WIDE of them
 
 # -- activation quantization (float32 arithmetic exactly as the reference: no fastmath) -----------
 
@@ -364,7 +365,7 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
                out: np.ndarray) -> None:
     """out[t, r] = sum_i q[t, i] * table[r, i] * scale[r] / s[t]: int8 codes in [-127, 127], an exact int32 sum.
 
-    TILE tokens share each pass over a table row (the row stays in L1); the columns past the last
+    Up to WIDE tokens share each pass over a table row (the row stays in L1); the columns past the last
     whole CHUNK are summed here. The float epilogue runs over a task's rows in SIMD once their sums
     are done (see _make_sums; s is 127/max|x| or 1, never 0).
     """
@@ -372,26 +373,38 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
     n = q.shape[0]
     whole = dim // CHUNK
     qstride = q.strides[0]
+    qsum = np.zeros(n, np.int32)  # each token's sum over the whole chunks (see emit_q8_dot)
+    for t in range(n):
+        for c in range(whole * CHUNK):
+            qsum[t] += q[t, c]
     for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-        isum, acc = np.empty(TILE, np.int32), np.empty((n, _HEAD_ROWS), np.int32)
+        isum, acc = np.empty(WIDE, np.int32), np.empty((n, _HEAD_ROWS), np.int32)
         for lo in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task), _HEAD_ROWS):
             hi = min(vocab, (task + 1) * rows_per_task, lo + _HEAD_ROWS)
             for r in range(lo, hi):
                 waddr = table.ctypes.data + r * table.strides[0]
-                for t0 in range(0, n, TILE):
-                    nt = min(TILE, n - t0)
-                    if nt == 1:
-                        _q8_dot_1(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 1, isum.ctypes.data)
+                t0 = 0
+                while t0 < n:
+                    nt = min(WIDE, n - t0) if n - t0 > TILE else n - t0
+                    if nt > TILE:
+                        _q8_dot_wide(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data,
+                                     qsum.ctypes.data + 4 * t0)
+                    elif nt == 1:
+                        _q8_dot_1(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 1, isum.ctypes.data,
+                                  qsum.ctypes.data + 4 * t0)
                     elif nt == 2:
-                        _q8_dot_2(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 2, isum.ctypes.data)
+                        _q8_dot_2(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 2, isum.ctypes.data,
+                                  qsum.ctypes.data + 4 * t0)
                     else:
-                        _q8_dot(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data)
+                        _q8_dot(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data,
+                                qsum.ctypes.data + 4 * t0)
                     for i in range(nt):
                         t = t0 + i
                         total = isum[i]
                         for c in range(whole * CHUNK, dim):
                             total += np.int32(table[r, c]) * np.int32(q[t, c])
                         acc[t, r - lo] = total
+                    t0 += nt
             rows = scale[lo:hi]
             for t in range(n):
                 o, st = out[t, lo:hi], np.float64(s[t])
