@@ -156,32 +156,28 @@ class _Block:
                     out.append(b.and_(b.lshr(w, _splat(_I8, n, 2 * s)), _splat(_I8, n, 3)))
         return out
 
-    def update(self, accs: list[ir.Value], codes: list[ir.Value], qptr: ir.Value) -> list[ir.Value]:
-        """accs + the block's sum(c * q); qptr points at the block's 256 activations in byte order."""
-        b = self.b
-        if self.vnni:
-            return self.update_rows([accs], [codes], qptr)[0]
-        acc = accs[0]
-        if self.isa == "avx2":
-            return [b.add(acc, self.widen(self.pairs(codes, qptr)))]
-        v64 = _vec(_I32, 64)
-        for s in range(4):
-            prod = b.mul(b.zext(codes[s], v64), b.sext(self.load(qptr, 64 * s, 64), v64))
-            acc = b.add(acc, b.call(self.reduce_wide, [prod]))
-        return [acc]
-
-    def update_rows(self, accs: list[list[ir.Value]], codes: list[list[ir.Value]],
-                    qptr: ir.Value) -> list[list[ir.Value]]:
-        """VNNI: each row's accs + the block's sum(c * q) for that row's codes, each activation loaded once."""
+    def update(self, accs: list[list[ir.Value]], codes: list[list[ir.Value]],
+               qptr: ir.Value) -> list[list[ir.Value]]:
+        """Each row's accs + the block's sum(c * q) for that row's codes; qptr points at the block's 256
+        activations in byte order, each loaded once for all rows (several rows: VNNI only)."""
         b, n = self.b, self.width
-        accs = [list(a) for a in accs]
-        for g in range(BLOCK_BYTES // n):
-            for s in range(4):
-                q = b.bitcast(self.load(qptr, 64 * s + n * g, n), self.acc_type)
-                a = s if self.split else 0
-                for row, c in zip(accs, codes, strict=True):
-                    row[a] = b.call(self.dpbusd, [row[a], b.bitcast(c[4 * g + s], self.acc_type), q])
-        return accs
+        if self.vnni:
+            accs = [list(a) for a in accs]
+            for g in range(BLOCK_BYTES // n):
+                for s in range(4):
+                    q = b.bitcast(self.load(qptr, 64 * s + n * g, n), self.acc_type)
+                    a = s if self.split else 0
+                    for row, c in zip(accs, codes, strict=True):
+                        row[a] = b.call(self.dpbusd, [row[a], b.bitcast(c[4 * g + s], self.acc_type), q])
+            return accs
+        (acc,), (fields,) = accs, codes
+        if self.isa == "avx2":
+            return [[b.add(acc[0], self.widen(self.pairs(fields, qptr)))]]
+        total, v64 = acc[0], _vec(_I32, 64)
+        for s in range(4):
+            prod = b.mul(b.zext(fields[s], v64), b.sext(self.load(qptr, 64 * s, 64), v64))
+            total = b.add(total, b.call(self.reduce_wide, [prod]))
+        return [[total]]
 
     def pairs(self, codes: list[ir.Value], qptr: ir.Value) -> ir.Value:
         """AVX2: the block's sum(c * q) as int16 lanes, each the sum of its 8 pmaddubsw pair products
@@ -224,15 +220,16 @@ def _tree(builder: ir.IRBuilder, sums: list[ir.Value]) -> ir.Value:
     return sums[0]
 
 
+def _token(builder: ir.IRBuilder, t: int, ntok: ir.Value) -> ir.Value:
+    """Token t of a pass, or the last real one past n_tok (computed, never stored)."""
+    row = ir.Constant(_I64, t)
+    return builder.select(builder.icmp_signed("<", row, ntok), row, builder.sub(ntok, ir.Constant(_I64, 1)))
+
+
 def _token_rows(builder: ir.IRBuilder, q_i: ir.Value, stride: ir.Value, ntok: ir.Value, tile: int) -> list[ir.Value]:
-    """Pointers to `tile` activation rows; those past n_tok repeat the last one (computed, never stored)."""
-    last = builder.sub(ntok, ir.Constant(_I64, 1))
-    rows = []
-    for t in range(tile):
-        row = ir.Constant(_I64, t)
-        row = builder.select(builder.icmp_signed("<", row, ntok), row, last)
-        rows.append(builder.inttoptr(builder.add(q_i, builder.mul(row, stride)), _I8.as_pointer()))
-    return rows
+    """Pointers to `tile` activation rows; those past n_tok repeat the last one."""
+    return [builder.inttoptr(builder.add(q_i, builder.mul(_token(builder, t, ntok), stride)), _I8.as_pointer())
+            for t in range(tile)]
 
 
 def _store(builder: ir.IRBuilder, out: ir.Value, ntok: ir.Value, t: int, index: ir.Value, value: ir.Value) -> None:
@@ -264,39 +261,19 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     if isa == "avx2" and not per_block and tile == 1:
         _store(builder, out, ntok, 0, ir.Constant(_I64, 0), _avx2_one_token(builder, blk, w0, nb, wstep, qrows[0]))
         return
-    if rows > 1:
-        w_rows = [builder.inttoptr(builder.add(w_i, builder.mul(args[7], ir.Constant(_I64, r))), _I8.as_pointer())
-                  for r in range(rows)]
-        _rows_loop(builder, blk, w_rows, nb, wstep, qrows, out, ntok)
-        return
-    accs = [[cgutils.alloca_once_value(builder, blk.zero()) for _ in range(blk.n_acc)] for _ in range(tile)]
+    w_rows = [w0] + [builder.inttoptr(builder.add(w_i, builder.mul(args[7], ir.Constant(_I64, r))), _I8.as_pointer())
+                     for r in range(1, rows)]
+    accs = [[[cgutils.alloca_once_value(builder, blk.zero()) for _ in range(blk.n_acc)] for _ in w_rows]
+            for _ in range(tile)]
     if isa == "avx2" and not per_block:
-        _avx2_row_loop(builder, blk, w0, nb, wstep, qrows, [a[0] for a in accs])
+        _avx2_row_loop(builder, blk, w0, nb, wstep, qrows, [a[0][0] for a in accs])
     else:
-        _block_loop(builder, blk, w0, nb, wstep, qrows, accs, out, ntok, per_block)
+        _block_loop(builder, blk, w_rows, nb, wstep, qrows, accs, out, ntok, per_block)
     if not per_block:
         for t in range(tile):
-            _store(builder, out, ntok, t, ir.Constant(_I64, t), blk.total([builder.load(a) for a in accs[t]]))
-
-
-def _rows_loop(builder: ir.IRBuilder, blk: _Block, w_rows: list[ir.Value], nb: ir.Value, wstep: ir.Value,
-               qrows: list[ir.Value], out: ir.Value, ntok: ir.Value) -> None:
-    """VNNI, several rows per pass: each block's codes of every row, then each token's activations once for all."""
-    b, n_rows = builder, len(w_rows)
-    accs = [[[cgutils.alloca_once_value(b, blk.zero()) for _ in range(blk.n_acc)] for _ in w_rows] for _ in qrows]
-    with cgutils.for_range(b, nb) as loop:
-        fields = [_block_codes(b, blk, w, wstep, loop.index) for w in w_rows]
-        qoff = fields[0][1]
-        for t, qrow in enumerate(qrows):
-            now = [[b.load(a) for a in row] for row in accs[t]]
-            for row, vals in zip(accs[t], blk.update_rows(now, [f[0] for f in fields], b.gep(qrow, [qoff])),
-                                 strict=True):
-                for a, v in zip(row, vals, strict=True):
-                    b.store(v, a)
-    for t in range(len(qrows)):
-        for r in range(n_rows):
-            total = blk.total([b.load(a) for a in accs[t][r]])
-            _store(b, out, ntok, t, ir.Constant(_I64, n_rows * t + r), total)
+            for r in range(rows):
+                total = blk.total([builder.load(a) for a in accs[t][r]])
+                _store(builder, out, ntok, t, ir.Constant(_I64, rows * t + r), total)
 
 
 def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Value,
@@ -307,20 +284,23 @@ def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Val
     return blk.codes(wk, x4=x4), builder.mul(k, ir.Constant(_I64, BLOCK))
 
 
-def _block_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Value, wstep: ir.Value,
-                qrows: list[ir.Value], accs: list[list[ir.Value]], out: ir.Value, ntok: ir.Value,
+def _block_loop(builder: ir.IRBuilder, blk: _Block, w_rows: list[ir.Value], nb: ir.Value, wstep: ir.Value,
+                qrows: list[ir.Value], accs: list[list[list[ir.Value]]], out: ir.Value, ntok: ir.Value,
                 per_block: bool) -> None:
-    """One block per step: each token's accumulators updated (and with per_block its block's sum stored)."""
-    tile = len(qrows)
+    """One block per step: each row's codes, then each token's accumulators accs[t][row] updated (with
+    per_block, one row, its block's sum stored instead)."""
     with cgutils.for_range(builder, nb) as loop:
         k = loop.index
-        codes, qoff = _block_codes(builder, blk, w0, wstep, k)
-        for t in range(tile):
-            acc = blk.update([builder.load(a) for a in accs[t]], codes, builder.gep(qrows[t], [qoff]))
+        fields = [_block_codes(builder, blk, w, wstep, k) for w in w_rows]
+        qoff = fields[0][1]
+        for t, qrow in enumerate(qrows):
+            now = [[builder.load(a) for a in row] for row in accs[t]]
+            new = blk.update(now, [f[0] for f in fields], builder.gep(qrow, [qoff]))
             if per_block:
-                _store(builder, out, ntok, t, builder.add(builder.mul(ir.Constant(_I64, t), nb), k), blk.total(acc))
-            else:
-                for a, v in zip(accs[t], acc, strict=True):
+                _store(builder, out, ntok, t, builder.add(builder.mul(ir.Constant(_I64, t), nb), k), blk.total(new[0]))
+                continue
+            for row, vals in zip(accs[t], new, strict=True):
+                for a, v in zip(row, vals, strict=True):
                     builder.store(v, a)
 
 
@@ -413,14 +393,11 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
                     acc = b.call(blk.dpbusd, [acc, b.bitcast(biased[g], blk.acc_type), b.bitcast(q, blk.acc_type)])
             b.store(acc, accs[t])
     qsum = b.inttoptr(qsum_i, _I32.as_pointer())
-    last = b.sub(ntok, ir.Constant(_I64, 1))
     for t in range(tile):
         acc = b.load(accs[t])
         total = acc if blk.lanes == 1 else b.call(blk.reduce, [acc])
         if blk.vnni:
-            row = ir.Constant(_I64, t)
-            row = b.select(b.icmp_signed("<", row, ntok), row, last)
-            total = b.sub(total, b.shl(b.load(b.gep(qsum, [row])), ir.Constant(_I32, 7)))
+            total = b.sub(total, b.shl(b.load(b.gep(qsum, [_token(b, t, ntok)])), ir.Constant(_I32, 7)))
         _store(b, out, ntok, t, ir.Constant(_I64, t), total)
 
 
