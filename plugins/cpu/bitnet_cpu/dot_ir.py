@@ -51,9 +51,10 @@ CHUNK = 64  # int8 values per step of the int8 dot (one 512-bit register)
 PREFETCH_BYTES = 2048  # how far past the block being read the codes are requested
 GROUP = 7  # AVX2 blocks whose int16 sums add up before widening (see _avx2_row_loop)
 TILE = 4  # tokens per pass over a weight row in prefill: TILE accumulators plus the codes stay in registers
-# Tokens per pass when a row's activations for all of them fit in L1 (WIDE_BYTES): the codes are unpacked once
+# Tokens per pass when their activations fit in L1 (WIDE_BYTES of a row's columns): the codes are unpacked once
 # for twice as many tokens. On 2560-column rows (AVX2, 8-128 tokens) 4-7 % faster for gate/up and 1-6 % for the
-# others; at 6912 columns the activations spill to L2 and the pass ran 10-40 % slower, so wider rows keep TILE.
+# others. Whole 6912-column rows spill to L2 and ran 10-40 % slower, so wider rows go in column parts of at most
+# WIDE_BYTES (see int_kernels.matmul_rowscale).
 WIDE = 8
 WIDE_BYTES = 24 << 10
 

@@ -354,19 +354,32 @@ def lm_head_f32(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.nd
     _head_f32(x, table, rows_per_task, out)
 
 
-@njit(fastmath=True, cache=True)  # fastmath lets the max vectorize; a max is exact in any order
-def _amax(w: np.ndarray) -> np.float32:
-    m = np.float32(0.0)
-    for i in range(w.size):
-        m = max(m, abs(w[i]))
-    return m
+@intrinsic
+def _float_bits(typingctx: Any, bits: Any) -> Any:
+    """The float32 whose bits are the low 32 of an integer."""
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@njit(inline="always", cache=True)
+def amax(w: np.ndarray) -> np.float32:
+    """max |w| of a C-contiguous float32 array, as the largest of its bits with the sign cleared: for finite
+    floats the same order. A float max stayed scalar (vmaxss) even with fastmath, 0.5 ns a value: on a
+    Zen 5, 29 us of the 42 us that quantizing 8 tokens of 6912 columns took; the integer max vectorizes."""
+    b = w.view(np.int32)
+    m = 0
+    for i in range(b.size):
+        m = max(m, b[i] & 0x7FFFFFFF)
+    return _float_bits(m)
 
 
 @njit(inline="always")
 def _q8_row(w: np.ndarray, q: np.ndarray) -> np.float32:
     """q = rint(w * s), s = 127/max|w| (1 for a zero row), in float32 as the reference's q8_table; returns 1/s."""
-    amax = _amax(w)
-    s = np.float32(127.0) / amax if amax > 0 else np.float32(1.0)
+    m = amax(w)
+    s = np.float32(127.0) / m if m > 0 else np.float32(1.0)
     for i in range(w.size):
         q[i] = np.int8(np.rint(w[i] * s))  # |w * s| <= 127 (+ rounding): no clamp needed
     return np.float32(1.0) / s

@@ -32,6 +32,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from bitnet_cpu import float_kernels as fk
 from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, WIDE, WIDE_BYTES, emit_dot, emit_peak, emit_q8_dot
 
 try:  # set by bitnet_cpu.isa.build() before it runs this module
@@ -120,14 +121,6 @@ _q8_dot_wide = _make_q8_dot(WIDE)  # from 5 tokens on: each row read once for up
 _ROUND = np.float32(12582912.0)
 
 
-@njit(fastmath=True, cache=CACHE)
-def _amax(x: np.ndarray) -> np.float32:
-    m = np.float32(0.0)
-    for i in range(x.size):
-        m = max(m, abs(x[i]))
-    return m
-
-
 @njit(inline="always", cache=CACHE)
 def _quantize_block(x: np.ndarray, src: int, scale: np.float32, q: np.ndarray, dst: int, rev: bool) -> int:
     """q[dst:dst+256] = clamp(rint(x[src:src+256] * scale)) in byte order (with rev, the byte order
@@ -150,7 +143,7 @@ def quantize_rows(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndarray,
     qsum[t, b] = sum of block b's q."""
     n, cols = x.shape
     for t in range(n):
-        amax = _amax(x[t])
+        amax = fk.amax(x[t])
         st = np.float32(127.0) / amax if amax > 0 else np.float32(1.0)
         s[t] = st
         for b in range(cols // BLOCK):
@@ -196,9 +189,9 @@ def int8_rows(n: int, cols: int) -> np.ndarray:
 # -- BitLinear drivers ----------------------------------------------------------------------------
 
 def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
-    """sums(w0, wstride, r0, r1, nb, bstride, qaddr, qstride, nt, isum, acc): the integer sums of rows r0..r1
-    for nt tokens into acc [nt, nb if per_block else 1, r1 - r0] (isum: nt * nb scratch); nt <= WIDE with
-    wide, else nt <= TILE.
+    """sums(w0, wstride, r0, r1, nb, bstride, qaddr, qstride, nt, isum, acc, add): the integer sums of rows r0..r1
+    for nt tokens into acc [nt, nb if per_block else 1, r1 - r0] (isum: nt * nb scratch), or added to it; nt <= WIDE
+    with wide, else nt <= TILE.
 
     Row last, so the float epilogue runs over a task's rows in SIMD, apart from the dot (a scalar
     epilogue after each row's dot had cost up to 8 % of a call at 2-8 tokens; its zero-division
@@ -213,7 +206,7 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
 
     @njit(inline="always", cache=CACHE)
     def sums(w0: int, wstride: int, r0: int, r1: int, nb: int, bstride: int, qaddr: int, qstride: int, nt: int,
-             isum: np.ndarray, acc: np.ndarray) -> None:
+             isum: np.ndarray, acc: np.ndarray, add: bool = False) -> None:
         k = nb if per_block else 1
         r = r0
         while r < r1:
@@ -224,8 +217,12 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
                 else:
                     big2(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data, wstride)
                 for i in range(nt):
-                    acc[i, 0, r - r0] = isum[2 * i]
-                    acc[i, 0, r + 1 - r0] = isum[2 * i + 1]
+                    if add:
+                        acc[i, 0, r - r0] += isum[2 * i]
+                        acc[i, 0, r + 1 - r0] += isum[2 * i + 1]
+                    else:
+                        acc[i, 0, r - r0] = isum[2 * i]
+                        acc[i, 0, r + 1 - r0] = isum[2 * i + 1]
                 r += 2
                 continue
             if nt == 1:
@@ -238,7 +235,10 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
                 big(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
             for i in range(nt):
                 for b in range(k):
-                    acc[i, b, r - r0] = isum[i * k + b]
+                    if add:
+                        acc[i, b, r - r0] += isum[i * k + b]
+                    else:
+                        acc[i, b, r - r0] = isum[i * k + b]
             r += 1
 
     return sums
@@ -253,7 +253,11 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
     """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row
     (out flat, each array's [n, height] in turn; r a row of the stack)."""
     n, qstride = q.shape[0], q.strides[0]
-    wide = nb * BLOCK * WIDE <= WIDE_BYTES
+    # Columns a WIDE pass takes at a time: its tokens' activations stay in L1. A wider row (6912 columns)
+    # runs as a few such parts over all of a task's rows in turn, adding up exact int32 sums; whole rows
+    # of 8 tokens (55 KB) had come from L2 in every pass: 450 G products/s against 650 at 2560 columns.
+    parts = -(-(nb * BLOCK * WIDE) // WIDE_BYTES)
+    kb = -(-nb // parts)
     qtot = np.empty(n, np.float64)
     for t in range(n):
         total = 0
@@ -268,8 +272,13 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
         t0 = 0
         while t0 < n:
             # WIDE tokens at a time while 7 or more are left (5 or 6 cost less as a TILE pass and the rest)
-            nt = min(WIDE, n - t0) if wide and n - t0 >= WIDE - 1 else min(TILE, n - t0)
-            _row_sums(w0, wstride, r0, r1, nb, bstride, q.ctypes.data + t0 * qstride, qstride, nt, isum, acc)
+            nt = min(WIDE, n - t0) if n - t0 >= WIDE - 1 else min(TILE, n - t0)
+            if nt <= TILE:
+                _row_sums(w0, wstride, r0, r1, nb, bstride, q.ctypes.data + t0 * qstride, qstride, nt, isum, acc)
+            else:
+                for b0 in range(0, nb, kb):
+                    _row_sums(w0 + b0 * bstride, wstride, r0, r1, min(kb, nb - b0), bstride,
+                              q.ctypes.data + t0 * qstride + b0 * BLOCK, qstride, nt, isum, acc, b0 > 0)
             for i in range(nt):
                 t = t0 + i
                 o = out[n * first + t * height + r0:n * first + t * height + r1]
