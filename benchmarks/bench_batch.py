@@ -36,12 +36,14 @@ def _prompts(b: int, n: int, vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab // 2, n)] for _ in range(b)]
 
 
-def worker_ours(model: str, batches: list[int], n_prompt: int, n_decode: int, lm_head: str) -> dict[str, Any]:
+def worker_ours(model: str, batches: list[int], n_prompt: int, n_decode: int, lm_head: str,
+                kv_type: str) -> dict[str, Any]:
     import bitnet
     from bitnet.runtime.scheduler import Scheduler
 
     top = max(batches)
-    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 8, n_seqs=top, lm_head=lm_head)
+    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 8, n_seqs=top, lm_head=lm_head,
+                      kv_type=kv_type)
     no_eog = {t: -100.0 for t in eng.tokenizer.eog_ids}
     out = {}
     for b in [1, *batches]:  # the first B=1 warms the kernels up and is not kept
@@ -124,7 +126,7 @@ def worker_chat(model: str, n_decode: int) -> dict[str, Any]:
 
 def spawn(kind: str, args: argparse.Namespace, model: str, threads: int) -> dict[str, Any]:
     options = ["--batches", args.batches, "--prompt-tokens", str(args.prompt_tokens),
-               "--decode-tokens", str(args.decode_tokens), "--lm-head", args.lm_head]
+               "--decode-tokens", str(args.decode_tokens), "--lm-head", args.lm_head, "--kv-type", args.kv_type]
     return workers.spawn(str(Path(__file__).resolve()), kind, model, threads, options, args.timeout)
 
 
@@ -140,13 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--lm-head", choices=("f16", "q8", "auto"), default="auto", help="our LM head")
+    # llama.cpp's cache is F16 unless asked otherwise, and this runs it with its defaults. At B=8 the cache
+    # outgrows the L3 (f32: 59 MB a step at 48 positions on 2B-4T), and attention reads it from memory.
+    ap.add_argument("--kv-type", choices=("f32", "f16"), default="f16", help="our KV cache (llama.cpp's: F16)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     if args.worker:
         if args.worker == "ours":
-            out = worker_ours(args.model, batches, args.prompt_tokens, args.decode_tokens, args.lm_head)
+            out = worker_ours(args.model, batches, args.prompt_tokens, args.decode_tokens, args.lm_head,
+                              args.kv_type)
         elif args.worker == "llama":
             out = worker_llama(args.model, threads[0], batches, args.prompt_tokens, args.decode_tokens)
         else:
@@ -157,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     llama_model = args.llama_model or args.model
     log = sys.stderr
     print(f"model {args.model}, llama.cpp on {llama_model}; prompts of {args.prompt_tokens} tokens, "
-          f"{args.decode_tokens} decoded each, B in {batches}, {args.runs} runs, our LM head {args.lm_head}",
+          f"{args.decode_tokens} decoded each, B in {batches}, {args.runs} runs, our LM head {args.lm_head}, "
+          f"our KV cache {args.kv_type} (llama.cpp's f16)",
           file=log, flush=True)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     for run in range(args.runs):
