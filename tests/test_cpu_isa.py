@@ -107,6 +107,14 @@ def test_vnni_accumulators_stay_in_registers(tile: int, rows: int) -> None:
     assert _zmm_spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
 
 
+def test_a_pass_sums_its_accumulators_by_folding_them_together() -> None:
+    # 16 zmm reduced one by one took 64 adds; folded in pairs, 15. A wrong fold fails the exactness tests.
+    asm = dot_ir.assembly("avx512vnni", "icelake-server", dot_ir.WIDE, rows=2)
+    assert len(re.findall(r"\bvpaddd\b", asm)) <= 16
+    with pytest.raises(ValueError, match="3 sums of 16 lanes"):
+        dot_ir.dot_module("avx512vnni", 3)
+
+
 def test_two_rows_per_pass_are_vnni_only() -> None:
     with pytest.raises(ValueError, match="VNNI pass without per-block sums"):
         dot_ir.dot_module("avx2", dot_ir.WIDE, rows=2)

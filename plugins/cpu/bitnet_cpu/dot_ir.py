@@ -205,13 +205,50 @@ class _Block:
         """AVX2: int16 lanes summed in pairs into the int32 accumulator's lanes."""
         return self.b.call(self.maddwd, [s16, _splat(_I16, 16, 1)])
 
-    def total(self, accs: list[ir.Value]) -> ir.Value:
+    def merged(self, accs: list[ir.Value]) -> ir.Value:
+        """One (row, token)'s accumulators as one."""
         acc = accs[0]
         for s, more in enumerate(accs[1:], start=1):
             # Every lane is a sum of multiples of 4**s (see codes()), so the shift is exact;
             # lanes stay below 2**31 for rows shorter than 2**17 columns.
             acc = self.b.add(acc, self.b.ashr(more, _splat(_I32, self.lanes, 2 * s)))
+        return acc
+
+    def total(self, accs: list[ir.Value]) -> ir.Value:
+        acc = self.merged(accs)
         return acc if self.lanes == 1 else self.b.call(self.reduce, [acc])
+
+
+def _lane_mask(lanes: list[int]) -> ir.Constant:
+    return ir.Constant(_vec(_I32, len(lanes)), [ir.Constant(_I32, j) for j in lanes])
+
+
+def _lane_sums(builder: ir.IRBuilder, vecs: list[ir.Value], lanes: int) -> ir.Value:
+    """A vector whose lane i is the sum of vecs[i]'s lanes (len(vecs) a power of two, at most `lanes`).
+
+    Pairs fold together: the first halves of each one's lane groups plus the second halves, so each
+    shuffle and add serves two sums (45 operations for 16 zmm, where 16 reductions took 144, a sixth of
+    a two-row 8-token pass's operations at 2560 columns). Integer sums in any order are exact."""
+    k, b = len(vecs), builder
+    if k & (k - 1) or k > lanes:
+        raise ValueError(f"{k} sums of {lanes} lanes")
+    size = lanes  # lanes per group; each vector holds lanes // size groups, one per sum, in order
+    while len(vecs) > 1:
+        half, groups = size // 2, lanes // size
+        lo = [g * size + i for g in range(2 * groups) for i in range(half)]  # past `lanes`: y's lanes
+        mask_lo, mask_hi = _lane_mask(lo), _lane_mask([j + half for j in lo])
+        vecs = [b.add(b.shuffle_vector(x, y, mask_lo), b.shuffle_vector(x, y, mask_hi))
+                for x, y in zip(vecs[0::2], vecs[1::2], strict=True)]
+        size = half
+    (v,) = vecs
+    width = lanes
+    while size > 1:  # fewer sums than lanes: fold the one vector on itself, narrowing it
+        half = size // 2
+        lo = [g * size + i for g in range(width // size) for i in range(half)]
+        mask_lo, mask_hi = _lane_mask(lo), _lane_mask([j + half for j in lo])
+        v = b.add(b.shuffle_vector(v, v, mask_lo), b.shuffle_vector(v, v, mask_hi))
+        width, size = width // 2, half
+    return v
 
 
 def _tree(builder: ir.IRBuilder, sums: list[ir.Value]) -> ir.Value:
@@ -244,9 +281,9 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
 
     One row of codes (n_blocks blocks of 64 bytes, w_stride apart, from w_addr) times `tile`
     token rows of activations (int8 in byte order, q_stride bytes apart), reading each weight
-    byte once for all of them. Tokens past n_tok (<= tile) reuse the last row and are not
-    stored. Writes int32 out[t] = the row's sum(c * q) for token t, or with per_block
-    out[t * n_blocks + b].
+    byte once for all of them. Tokens past n_tok (<= tile) reuse the last row; out must hold
+    rows * tile sums, for them too (with per_block, or one token, they are not stored). Writes int32
+    out[t] = the row's sum(c * q) for token t, or with per_block out[t * n_blocks + b].
 
     rows=2 (VNNI, without per_block): the rows at w_addr and w_addr + row_stride, each activation
     loaded once for both (a pass of 8 tokens made a 64-byte load per vpdpbusd, as many as the core
@@ -270,11 +307,17 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
         _avx2_row_loop(builder, blk, w0, nb, wstep, qrows, [a[0][0] for a in accs])
     else:
         _block_loop(builder, blk, w_rows, nb, wstep, qrows, accs, out, ntok, per_block)
-    if not per_block:
-        for t in range(tile):
-            for r in range(rows):
-                total = blk.total([builder.load(a) for a in accs[t][r]])
-                _store(builder, out, ntok, t, ir.Constant(_I64, rows * t + r), total)
+    if per_block:
+        return
+    merged = [blk.merged([builder.load(a) for a in accs[t][r]]) for t in range(tile) for r in range(rows)]
+    if blk.lanes == 1 or len(merged) == 1:
+        for i, acc in enumerate(merged):
+            _store(builder, out, ntok, i // rows, ir.Constant(_I64, i), blk.total([acc]))
+        return
+    for i in range(0, len(merged), blk.lanes):  # out holds rows * tile: those past n_tok are stored too
+        part = merged[i:i + blk.lanes]
+        where = builder.bitcast(builder.gep(out, [ir.Constant(_I64, i)]), _vec(_I32, len(part)).as_pointer())
+        builder.store(_lane_sums(builder, part, blk.lanes), where, align=4)
 
 
 def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Value,
