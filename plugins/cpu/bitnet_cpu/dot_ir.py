@@ -437,9 +437,13 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
                     acc = b.call(blk.dpbusd, [acc, b.bitcast(biased[g], blk.acc_type), b.bitcast(q, blk.acc_type)])
             b.store(acc, accs[t])
     qsum = b.inttoptr(qsum_i, _I32.as_pointer())
-    for t in range(tile):
-        acc = b.load(accs[t])
-        total = acc if blk.lanes == 1 else b.call(blk.reduce, [acc])
+    sums = [b.load(a) for a in accs]
+    if blk.lanes > 1 and tile > 1:
+        parts = [_lane_sums(b, sums[i:i + blk.lanes], blk.lanes) for i in range(0, tile, blk.lanes)]
+        totals = [b.extract_element(parts[t // blk.lanes], ir.Constant(_I32, t % blk.lanes)) for t in range(tile)]
+    else:
+        totals = [acc if blk.lanes == 1 else b.call(blk.reduce, [acc]) for acc in sums]
+    for t, total in enumerate(totals):
         if blk.vnni:
             total = b.sub(total, b.shl(b.load(b.gep(qsum, [_token(b, t, ntok)])), ir.Constant(_I32, 7)))
         _store(b, out, ntok, t, ir.Constant(_I64, t), total)
