@@ -115,6 +115,14 @@ def test_a_pass_sums_its_accumulators_by_folding_them_together() -> None:
         dot_ir.dot_module("avx512vnni", 3)
 
 
+@pytest.mark.parametrize("tile", [dot_ir.TILE, dot_ir.WIDE])
+def test_the_int8_heads_two_row_pass_stays_in_registers(tile: int) -> None:
+    asm = dot_ir.assembly("avx512vnni", "icelake-server", tile, q8=True, rows=2)
+    assert _zmm_spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
+    with pytest.raises(ValueError, match="several rows per pass are a VNNI pass"):
+        dot_ir.dot_module("avx2", tile, q8=True, rows=2)
+
+
 def test_two_rows_per_pass_are_vnni_only() -> None:
     with pytest.raises(ValueError, match="VNNI pass without per-block sums"):
         dot_ir.dot_module("avx2", dot_ir.WIDE, rows=2)

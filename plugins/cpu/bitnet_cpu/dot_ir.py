@@ -394,64 +394,78 @@ def _avx2_row_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Valu
             b.store(b.add(b.load(a), blk.widen(b.load(s))), a)
 
 
-def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str) -> None:
-    """The body of q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr), all i64.
+def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str, rows: int = 1) -> None:
+    """The body of q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr[, w_stride]), all i64.
 
     One int8 row (n_chunks * CHUNK values from w_addr) times `tile` int8 token rows in natural
     order (q_stride bytes apart), all within [-127, 127]; int32 out[t] = sum(w * q), exact.
     Tokens past n_tok reuse the last row and are not stored. qsum_addr: int32 per token, the sum of
     its n_chunks * CHUNK values; VNNI multiplies w + 128 (w with its sign bit flipped, an unsigned
     byte) by q and subtracts 128 * that sum, so a token's chunk is one vpdpbusd and no sign work.
+
+    rows=2 (VNNI): the rows at w_addr and w_addr + w_stride, each activation loaded once for both;
+    out[2 * t + r]. With one row a pass made a load per vpdpbusd, and a Zen 5 core ran it at half the
+    multiply probe's rate.
     """
-    w_i, n_chunks, q_i, stride, ntok, out_i, qsum_i = args
+    w_i, n_chunks, q_i, stride, ntok, out_i, qsum_i = args[:7]
     b = builder
     blk = _Block(builder, isa)
+    if rows > 1 and not blk.vnni:
+        raise ValueError("several rows per pass are a VNNI pass")
     n = blk.width
     v8 = _vec(_I8, n)
     if isa != "generic":
         absb = _declare(b.module, f"llvm.abs.v{n}i8", v8, [v8, ir.IntType(1)])
     if isa == "avx2":
         psign = _declare(b.module, "llvm.x86.avx2.psign.b", v8, [v8, v8])
-    w0 = b.inttoptr(w_i, _I8.as_pointer())
+    w_rows = [b.inttoptr(w_i if r == 0 else b.add(w_i, b.mul(args[7], ir.Constant(_I64, r))), _I8.as_pointer())
+              for r in range(rows)]
     out = b.inttoptr(out_i, _I32.as_pointer())
     qrows = _token_rows(b, q_i, stride, ntok, tile)
-    accs = [cgutils.alloca_once_value(b, blk.zero()) for _ in range(tile)]
+    accs = [[cgutils.alloca_once_value(b, blk.zero()) for _ in range(rows)] for _ in range(tile)]
     with cgutils.for_range(b, n_chunks) as loop:
         off = b.mul(loop.index, ir.Constant(_I64, CHUNK))
-        wk = b.gep(w0, [off])
-        blk.prefetch(wk, PREFETCH_BYTES)
-        parts = [blk.load(wk, n * g, n) for g in range(CHUNK // n)]
+        parts = []
+        for w0 in w_rows:
+            wk = b.gep(w0, [off])
+            # Each row its own PREFETCH_BYTES on: the pair's rows are neighbours, one stream. PAIR_AHEAD rows on
+            # (20 KB of 2560-byte rows, beside 20 KB of activations in L1) made 8 tokens on 2 threads 12 % slower.
+            blk.prefetch(wk, PREFETCH_BYTES)
+            parts.append([blk.load(wk, n * g, n) for g in range(CHUNK // n)])
         if isa == "generic":
             v32 = _vec(_I32, n)
-            wide = [b.sext(w, v32) for w in parts]
+            wide = [b.sext(w, v32) for w in parts[0]]
         elif blk.vnni:
-            biased = [b.xor(w, _splat(_I8, n, -128)) for w in parts]
+            biased = [[b.bitcast(b.xor(w, _splat(_I8, n, -128)), blk.acc_type) for w in row] for row in parts]
         else:
-            mags = [b.call(absb, [w, ir.Constant(ir.IntType(1), 0)]) for w in parts]
+            mags = [b.call(absb, [w, ir.Constant(ir.IntType(1), 0)]) for w in parts[0]]
         for t in range(tile):
-            acc = b.load(accs[t])
             qk = b.gep(qrows[t], [off])
-            for g, w in enumerate(parts):
+            now = [b.load(a) for a in accs[t]]
+            for g in range(CHUNK // n):
                 q = blk.load(qk, n * g, n)
                 if isa == "generic":
-                    acc = b.add(acc, b.call(blk.reduce_wide, [b.mul(wide[g], b.sext(q, _vec(_I32, n)))]))
+                    now[0] = b.add(now[0], b.call(blk.reduce_wide, [b.mul(wide[g], b.sext(q, _vec(_I32, n)))]))
                 elif isa == "avx2":
-                    p = b.call(blk.maddubs, [mags[g], b.call(psign, [q, w])])
-                    acc = b.add(acc, b.call(blk.maddwd, [p, _splat(_I16, 16, 1)]))
+                    p = b.call(blk.maddubs, [mags[g], b.call(psign, [q, parts[0][g]])])
+                    now[0] = b.add(now[0], b.call(blk.maddwd, [p, _splat(_I16, 16, 1)]))
                 else:
-                    acc = b.call(blk.dpbusd, [acc, b.bitcast(biased[g], blk.acc_type), b.bitcast(q, blk.acc_type)])
-            b.store(acc, accs[t])
+                    qv = b.bitcast(q, blk.acc_type)
+                    now = [b.call(blk.dpbusd, [a, biased[r][g], qv]) for r, a in enumerate(now)]
+            for a, v in zip(accs[t], now, strict=True):
+                b.store(v, a)
     qsum = b.inttoptr(qsum_i, _I32.as_pointer())
-    sums = [b.load(a) for a in accs]
-    if blk.lanes > 1 and tile > 1:
-        parts = [_lane_sums(b, sums[i:i + blk.lanes], blk.lanes) for i in range(0, tile, blk.lanes)]
-        totals = [b.extract_element(parts[t // blk.lanes], ir.Constant(_I32, t % blk.lanes)) for t in range(tile)]
+    sums = [b.load(a) for row in accs for a in row]
+    if blk.lanes > 1 and len(sums) > 1:
+        parts = [_lane_sums(b, sums[i:i + blk.lanes], blk.lanes) for i in range(0, len(sums), blk.lanes)]
+        totals = [b.extract_element(parts[i // blk.lanes], ir.Constant(_I32, i % blk.lanes)) for i in range(len(sums))]
     else:
         totals = [acc if blk.lanes == 1 else b.call(blk.reduce, [acc]) for acc in sums]
-    for t, total in enumerate(totals):
+    for i, total in enumerate(totals):
+        t = i // rows
         if blk.vnni:
             total = b.sub(total, b.shl(b.load(b.gep(qsum, [_token(b, t, ntok)])), ir.Constant(_I32, 7)))
-        _store(b, out, ntok, t, ir.Constant(_I64, t), total)
+        _store(b, out, ntok, t, ir.Constant(_I64, i), total)
 
 
 # -- the multiply-add probe: what a level's instruction can do on this core, for the benchmarks ----------
@@ -517,7 +531,7 @@ def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = F
     n_args = 8 if rows == 2 else 7
     module, fn, builder = _function(f"{'q8' if q8 else 'ternary'}_dot_{isa}", ir.VoidType(), n_args)
     if q8:
-        emit_q8_dot(builder, list(fn.args), tile, isa)
+        emit_q8_dot(builder, list(fn.args), tile, isa, rows)
     else:
         emit_dot(builder, list(fn.args), tile, per_block, isa, rows)
     builder.ret_void()

@@ -73,17 +73,18 @@ def _make_dot2(tile: int) -> Callable[..., Any]:
     return dot2
 
 
-def _make_q8_dot(tile: int) -> Callable[..., Any]:
-    """An intrinsic q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr) -> None (see emit_q8_dot)."""
+def _make_q8_dot(tile: int, rows: int = 1) -> Callable[..., Any]:
+    """An intrinsic q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr, w_stride) -> None (see
+    emit_q8_dot; w_stride is read only with rows=2)."""
 
     @intrinsic
     def q8dot(typingctx: Any, w_addr: Any, n_chunks: Any, q_addr: Any, q_stride: Any, n_tok: Any,
-              out_addr: Any, qsum_addr: Any) -> Any:
+              out_addr: Any, qsum_addr: Any, w_stride: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_q8_dot(builder, list(args), tile, ISA)
+            emit_q8_dot(builder, list(args), tile, ISA, rows)
             return context.get_dummy_value()
 
-        return types.void(*[types.intp] * 7), codegen
+        return types.void(*[types.intp] * 8), codegen
 
     return q8dot
 
@@ -113,6 +114,10 @@ _q8_dot_1 = _make_q8_dot(1)
 _q8_dot_2 = _make_q8_dot(2)
 _q8_dot = _make_q8_dot(TILE)
 _q8_dot_wide = _make_q8_dot(WIDE)  # from 5 tokens on: each row read once for up to WIDE of them
+# VNNI, TILE tokens or more: two table rows per pass share each activation load (see emit_q8_dot).
+_Q8_PAIRS = ISA in ("avx512vnni", "avxvnni")
+_q8_dot_pair = _make_q8_dot(TILE, 2) if _Q8_PAIRS else _q8_dot
+_q8_dot_wide_pair = _make_q8_dot(WIDE, 2) if _Q8_PAIRS else _q8_dot_wide
 
 # -- activation quantization (float32 arithmetic exactly as the reference: no fastmath) -----------
 
@@ -387,33 +392,40 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
         for c in range(whole * CHUNK):
             qsum[t] += q[t, c]
     for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-        isum, acc = np.empty(WIDE, np.int32), np.empty((n, _HEAD_ROWS), np.int32)
+        isum, acc = np.empty(2 * WIDE, np.int32), np.empty((n, _HEAD_ROWS), np.int32)
+        wstride = table.strides[0]
         for lo in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task), _HEAD_ROWS):
             hi = min(vocab, (task + 1) * rows_per_task, lo + _HEAD_ROWS)
-            for r in range(lo, hi):
-                waddr = table.ctypes.data + r * table.strides[0]
+            r = lo
+            while r < hi:
+                pair = _Q8_PAIRS and n >= TILE and r + 1 < hi
+                waddr = table.ctypes.data + r * wstride
                 t0 = 0
                 while t0 < n:
                     nt = min(WIDE, n - t0) if n - t0 > TILE else n - t0
-                    if nt > TILE:
-                        _q8_dot_wide(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data,
-                                     qsum.ctypes.data + 4 * t0)
+                    qaddr, saddr = q.ctypes.data + t0 * qstride, qsum.ctypes.data + 4 * t0
+                    if pair and nt > TILE:
+                        _q8_dot_wide_pair(waddr, whole, qaddr, qstride, nt, isum.ctypes.data, saddr, wstride)
+                    elif pair:  # TILE tokens or fewer left: the TILE pass, its extra tokens not stored
+                        _q8_dot_pair(waddr, whole, qaddr, qstride, nt, isum.ctypes.data, saddr, wstride)
+                    elif nt > TILE:
+                        _q8_dot_wide(waddr, whole, qaddr, qstride, nt, isum.ctypes.data, saddr, wstride)
                     elif nt == 1:
-                        _q8_dot_1(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 1, isum.ctypes.data,
-                                  qsum.ctypes.data + 4 * t0)
+                        _q8_dot_1(waddr, whole, qaddr, qstride, 1, isum.ctypes.data, saddr, wstride)
                     elif nt == 2:
-                        _q8_dot_2(waddr, whole, q.ctypes.data + t0 * qstride, qstride, 2, isum.ctypes.data,
-                                  qsum.ctypes.data + 4 * t0)
+                        _q8_dot_2(waddr, whole, qaddr, qstride, 2, isum.ctypes.data, saddr, wstride)
                     else:
-                        _q8_dot(waddr, whole, q.ctypes.data + t0 * qstride, qstride, nt, isum.ctypes.data,
-                                qsum.ctypes.data + 4 * t0)
+                        _q8_dot(waddr, whole, qaddr, qstride, nt, isum.ctypes.data, saddr, wstride)
+                    k = 2 if pair else 1
                     for i in range(nt):
                         t = t0 + i
-                        total = isum[i]
-                        for c in range(whole * CHUNK, dim):
-                            total += np.int32(table[r, c]) * np.int32(q[t, c])
-                        acc[t, r - lo] = total
+                        for j in range(k):
+                            total = isum[k * i + j]
+                            for c in range(whole * CHUNK, dim):
+                                total += np.int32(table[r + j, c]) * np.int32(q[t, c])
+                            acc[t, r + j - lo] = total
                     t0 += nt
+                r += 2 if pair else 1
             rows = scale[lo:hi]
             for t in range(n):
                 o, st = out[t, lo:hi], np.float64(s[t])
