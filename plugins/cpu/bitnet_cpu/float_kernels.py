@@ -533,11 +533,17 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     n_kv, hd = keys.shape[1], keys.shape[3]
     group = n_heads // n_kv
     scale = np.float32(1.0 / np.sqrt(hd))
+    like_k, like_v = keys[0, 0, 0, 0], values[0, 0, 0, 0]
     for t in range(n):
         for h in range(n_kv):
+            # Through 1-D views, one array a loop: these vectorize (the 4-D stores had converted one value at
+            # a time, 9 us for 8 tokens of F16 against 1).
+            kd, vd = keys[slots[t], h, positions[t]], values[slots[t], h, positions[t]]
+            ks, vs = k[t, h * hd:(h + 1) * hd], v[t, h * hd:(h + 1) * hd]
             for d in range(hd):
-                keys[slots[t], h, positions[t], d] = _stored_as(k[t, h * hd + d], keys[0, 0, 0, 0])
-                values[slots[t], h, positions[t], d] = _stored_as(v[t, h * hd + d], values[0, 0, 0, 0])
+                kd[d] = _stored_as(ks[d], like_k)
+            for d in range(hd):
+                vd[d] = _stored_as(vs[d], like_v)
     for task in prange(n_kv * n):
         kv, t = task // n, task % n
         slot, total = slots[t], positions[t] + 1
