@@ -550,10 +550,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
         kv, t = task // n, task % n
         slot, total = slots[t], positions[t] + 1
         ks, vs = keys[slot, kv], values[slot, kv]
-        qg = np.empty((group, hd), np.float32)
-        for g in range(group):
-            for d in range(hd):
-                qg[g, d] = q[t, (kv * group + g) * hd + d] * scale
+        # Flat 1-D loops over views (as the stores above): 2-D indexing here had stayed scalar.
+        qg, qs = np.empty(group * hd, np.float32), q[t, kv * group * hd:(kv + 1) * group * hd]
+        for i in range(group * hd):
+            qg[i] = qs[i] * scale
         scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
         kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
         for p in range(total):
@@ -569,13 +569,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
                 _scores_float(*args)
         inv = np.empty(group, np.float32)
         for g in range(group):
+            sg = scores[g]
             top = np.float32(-np.inf)
             for p in range(total):
-                top = max(top, scores[g, p])
-            exp_shifted(scores[g], top, bits)
+                top = max(top, sg[p])
+            exp_shifted(sg, top, bits)
             den = 0.0
             for p in range(total):
-                den += scores[g, p]
+                den += sg[p]
             inv[g] = np.float32(1.0 / den)
         o = np.zeros((group, hd), np.float32)
         for p0 in range(0, total, _SUM_BLOCK):
@@ -585,6 +586,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
                 _wsum_half(*args)
             else:
                 _wsum_float(*args)
+        dst = out[t, kv * group * hd:(kv + 1) * group * hd]
         for g in range(group):
+            og, dg, ig = o[g], dst[g * hd:(g + 1) * hd], inv[g]
             for d in range(hd):
-                out[t, (kv * group + g) * hd + d] = o[g, d] * inv[g]
+                dg[d] = og[d] * ig
