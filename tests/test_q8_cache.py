@@ -58,6 +58,15 @@ def test_a_second_load_maps_the_table_the_first_built(cache: Path, tmp_path: Pat
     assert len(list(cache.glob("*.bin"))) == 1
 
 
+def test_a_mapped_tables_codes_start_on_a_cache_line(cache: Path, tmp_path: Path) -> None:
+    # 300 rows of scales end 48 bytes into a line: the codes are padded past them.
+    path = tmp_path / "m.bin"
+    write_table(path, 1)
+    q8_cache.table(mapped(path), Builds())
+    found = q8_cache.table(mapped(path), Builds())
+    assert isinstance(found.q, np.memmap) and found.q.ctypes.data % 64 == 0
+
+
 def test_a_changed_file_is_built_again(cache: Path, tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
     write_table(path, 1)
@@ -83,8 +92,8 @@ def test_a_damaged_entry_is_built_again(cache: Path, tmp_path: Path, damage: str
     codes = len(raw) - VOCAB * DIM
     if damage == "codes":  # one code of a row the hit check quantizes again
         raw[codes + (VOCAB - 1) * DIM + 5] ^= 0x01
-    elif damage == "scale":
-        raw[codes - 4] ^= 0x01
+    elif damage == "scale":  # the last row's (the codes start on the next cache line after the scales)
+        raw[q8_cache._HEADER + 4 * VOCAB - 4] ^= 0x01
     elif damage == "truncated":
         del raw[-1]
     else:

@@ -251,7 +251,8 @@ class CpuProvider(ReferenceProvider):
 
     def _build_q8(self, table: np.ndarray) -> Q8Table:
         self._use_threads()
-        q, scale = np.empty(table.shape, np.int8), np.empty(table.shape[0], np.float32)
+        # On cache lines, as int8_rows: a table off them cost the head's dot 8-10 % (Zen 5, table in L3).
+        q, scale = self._tk.int8_rows(*table.shape), np.empty(table.shape[0], np.float32)
         for lo in range(0, table.shape[0], _Q8_BUILD_ROWS):
             part, hi = table[lo:lo + _Q8_BUILD_ROWS], lo + _Q8_BUILD_ROWS
             if table.dtype == np.float16:
