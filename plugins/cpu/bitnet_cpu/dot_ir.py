@@ -21,7 +21,9 @@ l%32, so each field of a block's 64 code bytes multiplies one contiguous 64-byte
 
 Each block loop prefetches the codes PREFETCH_BYTES ahead: the hardware prefetcher alone left
 one thread at 5 GB/s and two at 9-11 GB/s on 2B-4T shapes; with it they stream at 8-10 and
-14-17 GB/s (2048 bytes was best of 256..8192 on this machine). The hint is non-temporal
+14-17 GB/s (2048 bytes was best of 256..8192 on that machine; on a Zen 5 8192 made one token's
+BitLinear 15 % faster on one thread, and passes of two rows request the same block PAIR_AHEAD rows
+on, which also fits the column parts of wide rows). The hint is non-temporal
 (`prefetchnta`): a decode step streams every weight once, and with `prefetcht0` those lines
 evicted everything else, so the Python and small kernels between two projections ran from
 memory (an RMSNorm call took 13 us inside a step against 6 alone; 11 with the hint). On a
@@ -48,7 +50,7 @@ from numba.core import cgutils
 BLOCK = 256
 BLOCK_BYTES = 64
 CHUNK = 64  # int8 values per step of the int8 dot (one 512-bit register)
-PREFETCH_BYTES = 8192  # how far past the block being read the codes are requested (one or two tokens a pass)
+PREFETCH_BYTES = 8192  # how far past the block being read one row's codes are requested
 PAIR_AHEAD = 8  # two rows per pass request the same block this many rows on (2: 8-10 % slower at 8 tokens, 16: as 8)
 GROUP = 7  # AVX2 blocks whose int16 sums add up before widening (see _avx2_row_loop)
 TILE = 4  # tokens per pass over a weight row in prefill: TILE accumulators plus the codes stay in registers
