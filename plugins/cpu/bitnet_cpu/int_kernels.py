@@ -222,12 +222,8 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
                 else:
                     big2(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data, wstride)
                 for i in range(nt):
-                    if add:
-                        acc[i, 0, r - r0] += isum[2 * i]
-                        acc[i, 0, r + 1 - r0] += isum[2 * i + 1]
-                    else:
-                        acc[i, 0, r - r0] = isum[2 * i]
-                        acc[i, 0, r + 1 - r0] = isum[2 * i + 1]
+                    for j in range(2):
+                        acc[i, 0, r + j - r0] = isum[2 * i + j] + (acc[i, 0, r + j - r0] if add else 0)
                 r += 2
                 continue
             if nt == 1:
@@ -240,10 +236,7 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
                 big(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data)
             for i in range(nt):
                 for b in range(k):
-                    if add:
-                        acc[i, b, r - r0] += isum[i * k + b]
-                    else:
-                        acc[i, b, r - r0] = isum[i * k + b]
+                    acc[i, b, r - r0] = isum[i * k + b] + (acc[i, b, r - r0] if add else 0)
             r += 1
 
     return sums
