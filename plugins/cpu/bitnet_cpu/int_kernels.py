@@ -58,17 +58,17 @@ def _make_dot(tile: int, per_block: bool) -> Callable[..., Any]:
 
 
 def _make_dot2(tile: int) -> Callable[..., Any]:
-    """An intrinsic dot2(w_addr, n_blocks, w_stride, q_addr, q_stride, n_tok, out_addr, row_stride) -> None: two
-    rows per pass (see emit_dot, rows=2)."""
+    """An intrinsic dot2(w_addr, n_blocks, w_stride, q_addr, q_stride, n_tok, out_addr, row_stride, pitch, add) -> None:
+    two rows per pass, their sums stored (or added) at out_addr [tile, pitch] (see emit_dot, rows=2)."""
 
     @intrinsic
     def dot2(typingctx: Any, w_addr: Any, n_blocks: Any, w_stride: Any, q_addr: Any, q_stride: Any, n_tok: Any,
-             out_addr: Any, row_stride: Any) -> Any:
+             out_addr: Any, row_stride: Any, pitch: Any, add: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
             emit_dot(builder, list(args), tile, False, ISA, rows=2)
             return context.get_dummy_value()
 
-        return types.void(*[types.intp] * 8), codegen
+        return types.void(*[types.intp] * 10), codegen
 
     return dot2
 
@@ -217,13 +217,11 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
         while r < r1:
             waddr = w0 + r * wstride
             if pairs and nt >= TILE and r + 1 < r1:
+                at = acc.ctypes.data + 4 * (r - r0)
                 if nt <= TILE:
-                    tile2(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data, wstride)
+                    tile2(waddr, nb, bstride, qaddr, qstride, nt, at, wstride, acc.shape[2], add)
                 else:
-                    big2(waddr, nb, bstride, qaddr, qstride, nt, isum.ctypes.data, wstride)
-                for i in range(nt):
-                    for j in range(2):
-                        acc[i, 0, r + j - r0] = isum[2 * i + j] + (acc[i, 0, r + j - r0] if add else 0)
+                    big2(waddr, nb, bstride, qaddr, qstride, nt, at, wstride, acc.shape[2], add)
                 r += 2
                 continue
             if nt == 1:
