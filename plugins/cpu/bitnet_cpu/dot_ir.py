@@ -417,16 +417,16 @@ def _avx2_row_loop(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, nb: ir.Valu
 
 
 def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str, rows: int = 1) -> None:
-    """The body of q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr[, w_stride]), all i64.
+    """The body of q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr, w_stride, pitch), all i64.
 
     One int8 row (n_chunks * CHUNK values from w_addr) times `tile` int8 token rows in natural
-    order (q_stride bytes apart), all within [-127, 127]; int32 out[t] = sum(w * q), exact.
+    order (q_stride bytes apart), all within [-127, 127]; int32 out[t * pitch] = sum(w * q), exact.
     Tokens past n_tok reuse the last row and are not stored. qsum_addr: int32 per token, the sum of
     its n_chunks * CHUNK values; VNNI multiplies w + 128 (w with its sign bit flipped, an unsigned
     byte) by q and subtracts 128 * that sum, so a token's chunk is one vpdpbusd and no sign work.
 
     rows=2 (VNNI): the rows at w_addr and w_addr + w_stride, each activation loaded once for both;
-    out[2 * t + r]. With one row a pass made a load per vpdpbusd, and a Zen 5 core ran it at half the
+    out[t * pitch + r]. With one row a pass made a load per vpdpbusd, and a Zen 5 core ran it at half the
     multiply probe's rate.
     """
     w_i, n_chunks, q_i, stride, ntok, out_i, qsum_i = args[:7]
@@ -487,7 +487,7 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
         t = i // rows
         if blk.vnni:
             total = b.sub(total, b.shl(b.load(b.gep(qsum, [_token(b, t, ntok)])), ir.Constant(_I32, 7)))
-        _store(b, out, ntok, t, ir.Constant(_I64, i), total)
+        _store(b, out, ntok, t, b.add(b.mul(args[8], ir.Constant(_I64, t)), ir.Constant(_I64, i % rows)), total)
 
 
 # -- the multiply-add probe: what a level's instruction can do on this core, for the benchmarks ----------
@@ -550,7 +550,7 @@ def _function(name: str, ret: ir.Type, n_args: int) -> tuple[ir.Module, ir.Funct
 
 def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = False, rows: int = 1) -> str:
     """LLVM IR text of a module holding one dot function of this level (emit_dot, or with q8 emit_q8_dot)."""
-    n_args = (10 if rows == 2 else 7) if not q8 else (8 if rows == 2 else 7)
+    n_args = 9 if q8 else 10 if rows == 2 else 7
     module, fn, builder = _function(f"{'q8' if q8 else 'ternary'}_dot_{isa}", ir.VoidType(), n_args)
     if q8:
         emit_q8_dot(builder, list(fn.args), tile, isa, rows)

@@ -74,17 +74,17 @@ def _make_dot2(tile: int) -> Callable[..., Any]:
 
 
 def _make_q8_dot(tile: int, rows: int = 1) -> Callable[..., Any]:
-    """An intrinsic q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr, w_stride) -> None (see
-    emit_q8_dot; w_stride is read only with rows=2)."""
+    """An intrinsic q8dot(w_addr, n_chunks, q_addr, q_stride, n_tok, out_addr, qsum_addr, w_stride, pitch) -> None
+    (see emit_q8_dot; w_stride is read only with rows=2)."""
 
     @intrinsic
     def q8dot(typingctx: Any, w_addr: Any, n_chunks: Any, q_addr: Any, q_stride: Any, n_tok: Any,
-              out_addr: Any, qsum_addr: Any, w_stride: Any) -> Any:
+              out_addr: Any, qsum_addr: Any, w_stride: Any, pitch: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
             emit_q8_dot(builder, list(args), tile, ISA, rows)
             return context.get_dummy_value()
 
-        return types.void(*[types.intp] * 8), codegen
+        return types.void(*[types.intp] * 9), codegen
 
     return q8dot
 
@@ -383,7 +383,7 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
         for c in range(whole * CHUNK):
             qsum[t] += q[t, c]
     for task in prange((vocab + rows_per_task - 1) // rows_per_task):
-        isum, acc = np.empty(2 * WIDE, np.int32), np.empty((n, _HEAD_ROWS), np.int32)
+        acc = np.empty((n, _HEAD_ROWS), np.int32)  # the passes store [token, row] sums straight into it
         wstride = table.strides[0]
         for lo in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task), _HEAD_ROWS):
             hi = min(vocab, (task + 1) * rows_per_task, lo + _HEAD_ROWS)
@@ -395,26 +395,26 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
                 while t0 < n:
                     nt = min(WIDE, n - t0) if n - t0 > TILE else n - t0
                     qaddr, saddr = q.ctypes.data + t0 * qstride, qsum.ctypes.data + 4 * t0
+                    at = acc.ctypes.data + 4 * (t0 * _HEAD_ROWS + r - lo)
                     if pair and nt > TILE:
-                        _q8_dot_wide_pair(waddr, whole, qaddr, qstride, nt, isum.ctypes.data, saddr, wstride)
+                        _q8_dot_wide_pair(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
                     elif pair:  # TILE tokens or fewer left: the TILE pass, its extra tokens not stored
-                        _q8_dot_pair(waddr, whole, qaddr, qstride, nt, isum.ctypes.data, saddr, wstride)
+                        _q8_dot_pair(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
                     elif nt > TILE:
-                        _q8_dot_wide(waddr, whole, qaddr, qstride, nt, isum.ctypes.data, saddr, wstride)
+                        _q8_dot_wide(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
                     elif nt == 1:
-                        _q8_dot_1(waddr, whole, qaddr, qstride, 1, isum.ctypes.data, saddr, wstride)
+                        _q8_dot_1(waddr, whole, qaddr, qstride, 1, at, saddr, wstride, _HEAD_ROWS)
                     elif nt == 2:
-                        _q8_dot_2(waddr, whole, qaddr, qstride, 2, isum.ctypes.data, saddr, wstride)
+                        _q8_dot_2(waddr, whole, qaddr, qstride, 2, at, saddr, wstride, _HEAD_ROWS)
                     else:
-                        _q8_dot(waddr, whole, qaddr, qstride, nt, isum.ctypes.data, saddr, wstride)
-                    k = 2 if pair else 1
-                    for i in range(nt):
-                        t = t0 + i
-                        for j in range(k):
-                            total = isum[k * i + j]
-                            for c in range(whole * CHUNK, dim):
-                                total += np.int32(table[r + j, c]) * np.int32(q[t, c])
-                            acc[t, r + j - lo] = total
+                        _q8_dot(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
+                    if whole * CHUNK < dim:
+                        for i in range(nt):
+                            for j in range(2 if pair else 1):
+                                total = acc[t0 + i, r + j - lo]
+                                for c in range(whole * CHUNK, dim):
+                                    total += np.int32(table[r + j, c]) * np.int32(q[t0 + i, c])
+                                acc[t0 + i, r + j - lo] = total
                     t0 += nt
                 r += 2 if pair else 1
             rows = scale[lo:hi]
