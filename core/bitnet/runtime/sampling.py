@@ -167,6 +167,8 @@ class Sampler:
 
     def pick_host(self, logits: np.ndarray, history: Sequence[int] = ()) -> Choice:
         raw = np.asarray(logits, dtype=np.float32).reshape(-1)
+        if self.greedy and self.logprobs is None and not (self.penalized and len(history)):
+            return Choice(self._biased_argmax(raw))
         z = self.adjust(raw, history)
         token = int(np.argmax(z)) if self.greedy else draw(
             probabilities(z, self.temperature, self.top_k, self.top_p, self.min_p), self.rng)
@@ -175,6 +177,25 @@ class Sampler:
         lp = log_softmax(raw)
         top = np.argsort(-lp, kind="stable")[:self.logprobs]
         return Choice(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
+
+    def _biased_argmax(self, raw: np.ndarray) -> int:
+        """argmax(adjust(raw)) when only logit_bias applies, without adjust's copy of the vocabulary (eight
+        sequences decoding with a bias had spent 0.6 ms a step on those). Only the biased ids change, so
+        the answer is the unbiased argmax or one of them, ties to the lowest id as np.argmax breaks them."""
+        best = int(np.argmax(raw))
+        if not self.logit_bias:
+            return best
+        ids = np.fromiter(self.logit_bias, np.int64)
+        if best in self.logit_bias or ids.max() >= raw.shape[0] or np.isnan(raw[best]):
+            return int(np.argmax(self.adjust(raw)))  # (adjust reports an id out of range)
+        vals = raw[ids] + np.fromiter(self.logit_bias.values(), np.float32)
+        if np.isnan(vals).any():
+            return int(np.argmax(self.adjust(raw)))
+        top = vals.max()
+        if top < raw[best]:
+            return best
+        first = int(ids[vals == top].min())
+        return first if top > raw[best] else min(first, best)
 
     def adjust(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
         """Logits after logit_bias and the penalties (a copy when anything changes)."""
