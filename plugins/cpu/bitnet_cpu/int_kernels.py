@@ -130,15 +130,15 @@ _ROUND = np.float32(12582912.0)
 def _quantize_block(x: np.ndarray, src: int, scale: np.float32, q: np.ndarray, dst: int, rev: bool) -> int:
     """q[dst:dst+256] = clamp(rint(x[src:src+256] * scale)) in byte order (with rev, the byte order
     of weights whose fields are reversed: field f holds the columns of field 3 - f); returns their sum."""
-    acc = 0
     for f in range(4):
         for g in range(2):
             i0, o0 = src + 128 * g + 32 * (3 - f if rev else f), dst + 64 * f + 32 * g
             for j in range(32):
                 v = (x[i0 + j] * scale + _ROUND) - _ROUND
-                qi = np.int8(min(max(v, np.float32(-128.0)), np.float32(127.0)))
-                q[o0 + j] = qi
-                acc += qi
+                q[o0 + j] = np.int8(min(max(v, np.float32(-128.0)), np.float32(127.0)))
+    acc = np.int32(0)
+    for j in range(BLOCK):
+        acc += np.int32(q[dst + j])
     return acc
 
 
