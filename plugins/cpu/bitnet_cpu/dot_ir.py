@@ -226,13 +226,15 @@ def _lane_mask(lanes: list[int]) -> ir.Constant:
     return ir.Constant(_vec(_I32, len(lanes)), [ir.Constant(_I32, j) for j in lanes])
 
 
-def _lane_sums(builder: ir.IRBuilder, vecs: list[ir.Value], lanes: int) -> ir.Value:
+def _lane_sums(builder: ir.IRBuilder, vecs: list[ir.Value], lanes: int, add: str = "add") -> ir.Value:
     """A vector whose lane i is the sum of vecs[i]'s lanes (len(vecs) a power of two, at most `lanes`).
 
     Pairs fold together: the first halves of each one's lane groups plus the second halves, so each
     shuffle and add serves two sums (45 operations for 16 zmm, where 16 reductions took 144, a sixth of
-    a two-row 8-token pass's operations at 2560 columns). Integer sums in any order are exact."""
+    a two-row 8-token pass's operations at 2560 columns). Integer sums in any order are exact; float
+    ones (add="fadd") take each vector's lanes in a fixed tree, whatever the other vectors hold."""
     k, b = len(vecs), builder
+    plus = getattr(b, add)
     if k & (k - 1) or k > lanes:
         raise ValueError(f"{k} sums of {lanes} lanes")
     size = lanes  # lanes per group; each vector holds lanes // size groups, one per sum, in order
@@ -240,7 +242,7 @@ def _lane_sums(builder: ir.IRBuilder, vecs: list[ir.Value], lanes: int) -> ir.Va
         half, groups = size // 2, lanes // size
         lo = [g * size + i for g in range(2 * groups) for i in range(half)]  # past `lanes`: y's lanes
         mask_lo, mask_hi = _lane_mask(lo), _lane_mask([j + half for j in lo])
-        vecs = [b.add(b.shuffle_vector(x, y, mask_lo), b.shuffle_vector(x, y, mask_hi))
+        vecs = [plus(b.shuffle_vector(x, y, mask_lo), b.shuffle_vector(x, y, mask_hi))
                 for x, y in zip(vecs[0::2], vecs[1::2], strict=True)]
         size = half
     (v,) = vecs
@@ -249,7 +251,7 @@ def _lane_sums(builder: ir.IRBuilder, vecs: list[ir.Value], lanes: int) -> ir.Va
         half = size // 2
         lo = [g * size + i for g in range(width // size) for i in range(half)]
         mask_lo, mask_hi = _lane_mask(lo), _lane_mask([j + half for j in lo])
-        v = b.add(b.shuffle_vector(v, v, mask_lo), b.shuffle_vector(v, v, mask_hi))
+        v = plus(b.shuffle_vector(v, v, mask_lo), b.shuffle_vector(v, v, mask_hi))
         width, size = width // 2, half
     return v
 

@@ -27,6 +27,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from bitnet_cpu.dot_ir import _lane_sums
+
 
 @intrinsic
 def _as_float(typingctx: Any, x: Any) -> Any:
@@ -90,7 +92,6 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
     vf = ir.VectorType(f32, _LANES)
     mod = b.module
     fma_v = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{_LANES}f32")
-    fma_s = cgutils.get_or_insert_function(mod, ir.FunctionType(f32, [f32] * 3), "llvm.fmuladd.f32")
     i8p = ir.IntType(8).as_pointer()
     ws = [b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, r), w_stride)), elem.as_pointer()) for r in range(rows)]
     ahead = b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, rows), w_stride)), i8p)
@@ -129,18 +130,26 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
                           for k in (0, width)]
                 v = b.fadd(*halves)
             sums[r][t] = cgutils.alloca_once_value(b, b.extract_element(v, ir.Constant(i32, 0)))
-    with cgutils.for_range(b, b.sub(n, done)) as tail:
-        i = b.add(done, tail.index)
-        for r in range(rows):
-            wi = b.load(b.gep(ws[r], [i]))
-            wi = b.fpext(wi, f32) if half else wi
-            for t in range(tile):
-                b.store(b.call(fma_s, [wi, b.load(b.gep(xs[t], [i])), b.load(sums[r][t])]), sums[r][t])
+    _scalar_tail(b, done, n, ws, xs, sums, half)
     for t in range(tile):
         with b.if_then(b.icmp_signed("<", ir.Constant(i64, t), ntok)):
             out = b.inttoptr(b.add(out_i, b.mul(ir.Constant(i64, t), out_stride)), f32.as_pointer())
             for r in range(rows):
                 b.store(b.load(sums[r][t]), b.gep(out, [ir.Constant(i64, r)]))
+
+
+def _scalar_tail(b: ir.IRBuilder, done: ir.Value, n: ir.Value, ws: list[ir.Value], xs: list[ir.Value],
+                 sums: list[list[ir.Value]], half: bool) -> None:
+    """sums[r][t] += w_r[i] * x_t[i] for the columns done <= i < n, one at a time, in order (w F16 with half)."""
+    f32 = ir.FloatType()
+    fma_s = cgutils.get_or_insert_function(b.module, ir.FunctionType(f32, [f32] * 3), "llvm.fmuladd.f32")
+    with cgutils.for_range(b, b.sub(n, done)) as tail:
+        i = b.add(done, tail.index)
+        for w, row in zip(ws, sums, strict=True):
+            wi = b.load(b.gep(w, [i]))
+            wi = b.fpext(wi, f32) if half else wi
+            for x, s in zip(xs, row, strict=True):
+                b.store(b.call(fma_s, [wi, b.load(b.gep(x, [i])), b.load(s)]), s)
 
 
 def _prefetch_at(b: ir.IRBuilder, where: ir.Value, locality: int = 0) -> None:
@@ -196,17 +205,61 @@ def _in_head_chunks(b: ir.IRBuilder, n_heads: ir.Value, emit: Any) -> None:
             b.store(b.add(b.load(done), ir.Constant(i64, heads)), done)
 
 
-def emit_scores(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None:
-    """The body of scores(k_addr, k_stride, hd, q_addr, q_stride, n_heads, out_addr, out_stride), all i64: one
-    key row's scores for n_heads query rows, `emit_rows_dot`'s with the heads as its tokens, a chunk at a time."""
+_SCORE_LANES = 16  # float32 lanes of a score accumulator (one zmm; two ymm on AVX2 hosts, the same sums)
+
+
+def emit_scores(b: ir.IRBuilder, args: list[ir.Value], half: bool, positions: int = 1) -> None:
+    """The body of scores(k_addr, k_stride, hd, q_addr, q_stride, n_heads, out_addr, out_stride), all i64: the
+    scores of `positions` consecutive key rows (F16 with half, else float32; k_stride bytes apart) for n_heads
+    query rows (float32, q_stride apart), float32 out[h * out_stride + 4 * p] for position p, a chunk of heads
+    at a time.
+
+    A (head, position) sums in one 16-lane accumulator over the row's whole 16-column steps, its lanes folded
+    in a fixed tree (`_lane_sums`), then the columns past them one by one: the same bits whichever chunk or
+    pair of positions it came in. Two positions share each query vector, and each converted key vector
+    serves every head of the chunk: with 8-lane row dots (`emit_rows_dot`) a position cost ~110 cycles of a
+    48-position task on a Zen 5."""
     k_i, k_stride, hd, q_i, q_stride, n_heads, out_i, out_stride = args
-    i64 = ir.IntType(64)
 
     def chunk(h0: ir.Value, heads: int) -> None:
-        emit_rows_dot(b, [k_i, k_stride, hd, b.add(q_i, b.mul(h0, q_stride)), q_stride, ir.Constant(i64, heads),
-                          b.add(out_i, b.mul(h0, out_stride)), out_stride], 1, heads, half)
+        _scores_chunk(b, [k_i, k_stride, hd, b.add(q_i, b.mul(h0, q_stride)), q_stride,
+                          b.add(out_i, b.mul(h0, out_stride)), out_stride], heads, positions, half)
 
     _in_head_chunks(b, n_heads, chunk)
+
+
+def _scores_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, positions: int, half: bool) -> None:
+    """emit_scores for `heads` heads (args without n_heads)."""
+    k_i, k_stride, hd, q_i, q_stride, out_i, out_stride = args
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    elem = ir.HalfType() if half else f32
+    n = _SCORE_LANES
+    vf = ir.VectorType(f32, n)
+    fma_v = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{n}f32")
+    ks = [b.inttoptr(b.add(k_i, b.mul(ir.Constant(i64, p), k_stride)), elem.as_pointer()) for p in range(positions)]
+    qs = [b.inttoptr(b.add(q_i, b.mul(ir.Constant(i64, h), q_stride)), f32.as_pointer()) for h in range(heads)]
+    accs = [[cgutils.alloca_once_value(b, ir.Constant(vf, None)) for _ in range(heads)] for _ in range(positions)]
+    steps = b.sdiv(hd, ir.Constant(i64, n))
+    with cgutils.for_range(b, steps) as loop:
+        at = b.mul(loop.index, ir.Constant(i64, n))
+        kv = []
+        for k in ks:
+            v = b.load(b.bitcast(b.gep(k, [at]), ir.VectorType(elem, n).as_pointer()), align=2 if half else 4)
+            kv.append(b.fpext(v, vf) if half else v)
+        for h in range(heads):
+            qv = b.load(b.bitcast(b.gep(qs[h], [at]), vf.as_pointer()), align=4)
+            for p in range(positions):
+                b.store(b.call(fma_v, [kv[p], qv, b.load(accs[p][h])]), accs[p][h])
+    flat = [b.load(accs[p][h]) for p in range(positions) for h in range(heads)]
+    width = 1 << (len(flat) - 1).bit_length()  # a power of two of vectors: zeros fill it (their sums unused)
+    folded = _lane_sums(b, flat + [ir.Constant(vf, None)] * (width - len(flat)), n, add="fadd")
+    sums = [[cgutils.alloca_once_value(b, b.extract_element(folded, ir.Constant(i32, p * heads + h)))
+             for h in range(heads)] for p in range(positions)]
+    _scalar_tail(b, b.mul(steps, ir.Constant(i64, n)), hd, ks, qs, sums, half)
+    for h in range(heads):
+        row = b.inttoptr(b.add(out_i, b.mul(ir.Constant(i64, h), out_stride)), f32.as_pointer())
+        for p in range(positions):
+            b.store(b.load(sums[p][h]), b.gep(row, [ir.Constant(i64, p)]))
 
 
 def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None:
@@ -281,16 +334,23 @@ def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half:
             b.store(b.load(acc), b.gep(os_[h], [c]))
 
 
-def _make_attention_loops(half: bool) -> tuple[Any, Any]:
-    """The intrinsics scores(...) and wsum(...) of emit_scores and emit_weighted_sum for F16 or float32 rows."""
+def _make_scores(half: bool, positions: int) -> Any:
+    """The intrinsic scores(...) of emit_scores for F16 or float32 rows, `positions` key rows a call."""
     @intrinsic
     def scores(typingctx: Any, k_addr: Any, k_stride: Any, hd: Any, q_addr: Any, q_stride: Any, n_heads: Any,
                out_addr: Any, out_stride: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_scores(builder, list(args), half)
+            emit_scores(builder, list(args), half, positions)
             return context.get_dummy_value()
 
         return types.void(*[types.intp] * 8), codegen
+
+    return scores
+
+
+def _make_attention_loops(half: bool) -> tuple[Any, Any, Any]:
+    """The intrinsics scores(...) of one and of two key rows, and wsum(...) of emit_weighted_sum, for F16 or
+    float32 rows."""
 
     @intrinsic
     def wsum(typingctx: Any, v_addr: Any, v_stride: Any, n: Any, n_cols: Any, w_addr: Any, w_stride: Any,
@@ -301,7 +361,7 @@ def _make_attention_loops(half: bool) -> tuple[Any, Any]:
 
         return types.void(*[types.intp] * 9), codegen
 
-    return scores, wsum
+    return _make_scores(half, 1), _make_scores(half, 2), wsum
 
 
 def _make_pass(tile: int, rows: int, half: bool) -> Any:
@@ -511,7 +571,8 @@ def exp_shifted(x: np.ndarray, top: np.float32, bits: np.ndarray) -> None:
         x[i] *= scale[i]
 
 
-(_scores_half, _wsum_half), (_scores_float, _wsum_float) = _make_attention_loops(True), _make_attention_loops(False)
+(_scores_half, _scores2_half, _wsum_half), (_scores_float, _scores2_float, _wsum_float) = (
+    _make_attention_loops(True), _make_attention_loops(False))
 _KEYS_AHEAD = 8  # key rows requested ahead of the scores (see attention)
 _SUM_BLOCK = 64  # positions per pass over the values: their rows stay in L1/L2 across the column passes
 
@@ -527,10 +588,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. A task is a
     row and a KV head with the query heads that share it: each cached key and value is read once
     for all of them (from memory, once the context outgrows the caches), not once per head, and each
-    F16 vector is converted once for all of them. The scores are `emit_rows_dot`'s row dots and the
-    weighted values `emit_weighted_sum`'s, in LLVM IR, for chunks of 4, 2 or 1 query heads: numba's loops
-    had loaded both operands of every FMA (the score dots) or the sums of every head (the values pass),
-    and ran at ~9 G FMA/s on Zen 1. A row's result never depends on the rows beside it.
+    F16 vector is converted once for all of them. The scores are `emit_scores`' 16-lane dots, two key rows
+    a call, and the weighted values `emit_weighted_sum`'s, in LLVM IR, for chunks of 4, 2 or 1 query heads:
+    numba's loops had loaded both operands of every FMA (the score dots) or the sums of every head (the
+    values pass), and ran at ~9 G FMA/s on Zen 1. A row's result never depends on the rows beside it.
     """
     n = q.shape[0]
     n_kv, hd = keys.shape[1], keys.shape[3]
@@ -557,21 +618,26 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
             qg[i] = qs[i] * scale
         scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
         kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
-        for p in range(total):
-            # Position p's value row is requested into the caches now, with the key rows, so the values
-            # pass below reads them from cache, not memory (5-10 % less attention time at 1024 positions);
-            # and the key row _KEYS_AHEAD on, about 0.2 us of scores away (one row on was too near to hide a
-            # miss: a B=8 step at 48 positions on a Zen 5, one thread: attention 3.0-3.5 -> 2.4-2.9 ms; 16 on
-            # did as well).
-            for c in range(0, hd * vs.itemsize, 64):
-                prefetch_keep(vs.ctypes.data + p * vstride + c)
-                prefetch_keep(ks.ctypes.data + (p + _KEYS_AHEAD) * kstride + c)
+        for p in range(0, total, 2):
+            # Positions p, p + 1's value rows are requested into the caches now, with the key rows, so the
+            # values pass below reads them from cache, not memory (5-10 % less attention time at 1024
+            # positions); and the key rows _KEYS_AHEAD on, about 0.2 us of scores away (one row on was too
+            # near to hide a miss: a B=8 step at 48 positions on a Zen 5, one thread: attention 3.0-3.5 ->
+            # 2.4-2.9 ms; 16 on did as well).
+            for r in range(p, p + 2):
+                for c in range(0, hd * vs.itemsize, 64):
+                    prefetch_keep(vs.ctypes.data + r * vstride + c)
+                    prefetch_keep(ks.ctypes.data + (r + _KEYS_AHEAD) * kstride + c)
             args = (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group,
                     scores.ctypes.data + p * 4, sstride)
-            if ks.itemsize == 2:
+            if p + 1 == total and ks.itemsize == 2:
                 _scores_half(*args)
-            else:
+            elif p + 1 == total:
                 _scores_float(*args)
+            elif ks.itemsize == 2:
+                _scores2_half(*args)
+            else:
+                _scores2_float(*args)
         inv = np.empty(group, np.float32)
         for g in range(group):
             sg = scores[g]
