@@ -17,6 +17,7 @@ from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.provider import KV_DTYPES
 from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
+from bitnet_cpu import attention as attn
 from bitnet_cpu import dot_ir, isa
 from bitnet_cpu import float_kernels as fk
 from bitnet_cpu.dot_ir import GROUP, TILE, WIDE, WIDE_BYTES
@@ -425,7 +426,7 @@ def test_attention_over_a_long_row_with_head_and_column_tails(cpu_float: CpuProv
     # (three blocks of the values pass, the last part-filled): the reference's result, and a prefill's
     # last rows are what decoding them gives.
     heads, kv_heads, hd, n = 14, 2, 124, 150
-    assert n > 2 * fk._SUM_BLOCK
+    assert n > 2 * attn._SUM_BLOCK
     rng = np.random.default_rng(9)
     q = rng.standard_normal((n, heads * hd)).astype(np.float32) * 3
     k = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)

@@ -4,7 +4,7 @@ Ternary weights stay packed (2 bits each, the canonical layout is also the kerne
 TQ2_0 and I2_S in place in the memory-mapped file.
 BitLinear quantizes activations to int8 and runs the SIMD integer kernels of
 `int_kernels`, built for the instruction-set level `isa.choose()` picks; the F16 LM head,
-its int8 twin and RMSNorm run in `float_kernels`. Unquantized ("none") BitLinear keeps the
+its int8 twin and RMSNorm run in `float_kernels`, attention in `attention`. Unquantized ("none") BitLinear keeps the
 NumPy path: it unpacks a chunk of rows at a time through a 256-entry table into float32 and
 multiplies with BLAS. numba is imported when a provider is opened, never by `import bitnet_cpu`, and compiles
 each kernel on first use into its disk cache.
@@ -27,6 +27,7 @@ from bitnet.runtime import q8_cache
 from bitnet.runtime.provider import ACTIVATIONS, KV_DTYPES, kv_zeros
 from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots, quantize_rows
 
+from . import attention as attn
 from . import float_kernels as fk
 from . import isa as isa_levels
 from . import kernel_cache, threading_layer, threads
@@ -138,6 +139,7 @@ def _head_major(kv: np.ndarray) -> np.ndarray:
 
 threading_layer.configure()
 kernel_cache.load_lightly(fk)
+kernel_cache.load_lightly(attn)
 _numba_threads = threading.local()  # the thread count and chunk size a provider last set in this thread
 
 
@@ -287,7 +289,8 @@ class CpuProvider(ReferenceProvider):
         check_slots(cache, slots, positions, len(q))
         q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
         out = np.empty_like(q)
-        fk.attention(q, k, v, _head_major(cache.k[layer]), _head_major(cache.v[layer]), slots, positions, n_heads, out)
+        keys, values = _head_major(cache.k[layer]), _head_major(cache.v[layer])
+        attn.attention(q, k, v, keys, values, slots, positions, n_heads, out)
         return out
 
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,

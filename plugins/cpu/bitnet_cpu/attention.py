@@ -1,0 +1,300 @@
+"""Attention of the decode and prefill path: new K/V rows into the cache, then causal grouped-query attention
+over it, one parallel task per (token, KV head).
+
+The score dots (`emit_scores`) and the weighted values (`emit_weighted_sum`) are LLVM IR, like the head's dots in
+`float_kernels`, whose F16 loads, scalar column tail and prefetch hints they share; the softmax's exp is
+`float_kernels.exp_shifted`. Every sum runs in an order fixed by the IR, so a row's result never depends on the
+rows beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from bitnet_cpu.dot_ir import _lane_sums
+from bitnet_cpu.float_kernels import _LANES, _f32_vector, _scalar_tail, exp_shifted, prefetch_keep
+
+
+@intrinsic
+def _stored_as(typingctx: Any, x: Any, like: Any) -> Any:
+    """float32 x as a value of like's type: F16 bits rounded to nearest even (as NumPy's astype), or float32."""
+    if like == types.uint16:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    elif like == types.float32:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            return args[0]
+    else:
+        return None
+    return like(types.float32, like), codegen
+
+
+def _in_head_chunks(b: ir.IRBuilder, n_heads: ir.Value, emit: Any) -> None:
+    """emit(first head, heads) for chunks of 4, then 2, then 1 of n_heads query heads: any group splits into
+    those, so a head chunk's registers hold no head computed for nothing."""
+    i64 = ir.IntType(64)
+    with cgutils.for_range(b, b.sdiv(n_heads, ir.Constant(i64, 4))) as loop:
+        emit(b.mul(loop.index, ir.Constant(i64, 4)), 4)
+    done = cgutils.alloca_once_value(b, b.mul(b.sdiv(n_heads, ir.Constant(i64, 4)), ir.Constant(i64, 4)))
+    for heads in (2, 1):
+        with b.if_then(b.icmp_signed(">=", b.sub(n_heads, b.load(done)), ir.Constant(i64, heads))):
+            emit(b.load(done), heads)
+            b.store(b.add(b.load(done), ir.Constant(i64, heads)), done)
+
+
+_SCORE_LANES = 16  # float32 lanes of a score accumulator (one zmm; two ymm on AVX2 hosts, the same sums)
+
+
+def emit_scores(b: ir.IRBuilder, args: list[ir.Value], half: bool, positions: int = 1) -> None:
+    """The body of scores(k_addr, k_stride, hd, q_addr, q_stride, n_heads, out_addr, out_stride), all i64: the
+    scores of `positions` consecutive key rows (F16 with half, else float32; k_stride bytes apart) for n_heads
+    query rows (float32, q_stride apart), float32 out[h * out_stride + 4 * p] for position p, a chunk of heads
+    at a time.
+
+    A (head, position) sums in one 16-lane accumulator over the row's whole 16-column steps, its lanes folded
+    in a fixed tree (`_lane_sums`), then the columns past them one by one: the same bits whichever chunk or
+    pair of positions it came in. Two positions share each query vector, and each converted key vector
+    serves every head of the chunk: with 8-lane row dots (`emit_rows_dot`) a position cost ~110 cycles of a
+    48-position task on a Zen 5."""
+    k_i, k_stride, hd, q_i, q_stride, n_heads, out_i, out_stride = args
+
+    def chunk(h0: ir.Value, heads: int) -> None:
+        _scores_chunk(b, [k_i, k_stride, hd, b.add(q_i, b.mul(h0, q_stride)), q_stride,
+                          b.add(out_i, b.mul(h0, out_stride)), out_stride], heads, positions, half)
+
+    _in_head_chunks(b, n_heads, chunk)
+
+
+def _scores_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, positions: int, half: bool) -> None:
+    """emit_scores for `heads` heads (args without n_heads)."""
+    k_i, k_stride, hd, q_i, q_stride, out_i, out_stride = args
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    elem = ir.HalfType() if half else f32
+    n = _SCORE_LANES
+    vf = ir.VectorType(f32, n)
+    fma_v = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{n}f32")
+    ks = [b.inttoptr(b.add(k_i, b.mul(ir.Constant(i64, p), k_stride)), elem.as_pointer()) for p in range(positions)]
+    qs = [b.inttoptr(b.add(q_i, b.mul(ir.Constant(i64, h), q_stride)), f32.as_pointer()) for h in range(heads)]
+    accs = [[cgutils.alloca_once_value(b, ir.Constant(vf, None)) for _ in range(heads)] for _ in range(positions)]
+    steps = b.sdiv(hd, ir.Constant(i64, n))
+    with cgutils.for_range(b, steps) as loop:
+        at = b.mul(loop.index, ir.Constant(i64, n))
+        kv = []
+        for k in ks:
+            v = b.load(b.bitcast(b.gep(k, [at]), ir.VectorType(elem, n).as_pointer()), align=2 if half else 4)
+            kv.append(b.fpext(v, vf) if half else v)
+        for h in range(heads):
+            qv = b.load(b.bitcast(b.gep(qs[h], [at]), vf.as_pointer()), align=4)
+            for p in range(positions):
+                b.store(b.call(fma_v, [kv[p], qv, b.load(accs[p][h])]), accs[p][h])
+    flat = [b.load(accs[p][h]) for p in range(positions) for h in range(heads)]
+    width = 1 << (len(flat) - 1).bit_length()  # a power of two of vectors: zeros fill it (their sums unused)
+    folded = _lane_sums(b, flat + [ir.Constant(vf, None)] * (width - len(flat)), n, add="fadd")
+    sums = [[cgutils.alloca_once_value(b, b.extract_element(folded, ir.Constant(i32, p * heads + h)))
+             for h in range(heads)] for p in range(positions)]
+    _scalar_tail(b, b.mul(steps, ir.Constant(i64, n)), hd, ks, qs, sums, half)
+    for h in range(heads):
+        row = b.inttoptr(b.add(out_i, b.mul(ir.Constant(i64, h), out_stride)), f32.as_pointer())
+        for p in range(positions):
+            b.store(b.load(sums[p][h]), b.gep(row, [ir.Constant(i64, p)]))
+
+
+def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None:
+    """The body of wsum(v_addr, v_stride, n, n_cols, w_addr, w_stride, n_heads, o_addr, o_stride), all i64:
+    o_h[c] += the sum over p < n of w_h[p] * v_p[c], for every column c < n_cols of the value rows v_p (F16
+    with half, else float32; v_stride bytes apart) and n_heads weight rows w_h (float32, w_stride apart) into
+    float32 rows o_h (o_stride apart), a chunk of heads at a time."""
+    v_i, v_stride, n, n_cols, w_i, w_stride, n_heads, o_i, o_stride = args
+
+    def chunk(h0: ir.Value, heads: int) -> None:
+        _weighted_sum_chunk(b, [v_i, v_stride, n, n_cols, b.add(w_i, b.mul(h0, w_stride)), w_stride,
+                                b.add(o_i, b.mul(h0, o_stride)), o_stride], heads, half)
+
+    _in_head_chunks(b, n_heads, chunk)
+
+
+def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: bool) -> None:
+    """emit_weighted_sum for `heads` heads (args without n_heads).
+
+    Each o_h[c] takes its terms one FMA at a time in position order, so a sum over positions 0..n-1 is the
+    same bits in one call or in calls over consecutive blocks of them, and whichever pass its column falls
+    in: 8 // heads vector columns at a time, then halves of that for what is left, then single columns. A
+    converted value vector serves every head, a weight every column vector."""
+    v_i, v_stride, n, n_cols, w_i, w_stride, o_i, o_stride = args
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    elem = ir.HalfType() if half else f32
+    vf = ir.VectorType(f32, _LANES)
+    fma_v = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{_LANES}f32")
+    fma_s = cgutils.get_or_insert_function(b.module, ir.FunctionType(f32, [f32] * 3), "llvm.fmuladd.f32")
+    ws = [b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, h), w_stride)), f32.as_pointer()) for h in range(heads)]
+    os_ = [b.inttoptr(b.add(o_i, b.mul(ir.Constant(i64, h), o_stride)), f32.as_pointer()) for h in range(heads)]
+    col = cgutils.alloca_once_value(b, ir.Constant(i64, 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+
+    def columns(chunks: int) -> None:
+        """`chunks` vector columns from col on, over all n positions; col moves past them."""
+        c0 = b.load(col)
+        at = [b.add(c0, ir.Constant(i64, c * _LANES)) for c in range(chunks)]
+        ptrs = [[b.bitcast(b.gep(o, [a]), vf.as_pointer()) for a in at] for o in os_]
+        accs = [[cgutils.alloca_once_value(b, b.load(ptr, align=4)) for ptr in row] for row in ptrs]
+        with cgutils.for_range(b, n) as loop:
+            row = b.inttoptr(b.add(v_i, b.mul(loop.index, v_stride)), elem.as_pointer())
+            vv = [_f32_vector(b, row, a, half) for a in at]
+            for h in range(heads):
+                w = b.load(b.gep(ws[h], [loop.index]))
+                wv = b.shuffle_vector(b.insert_element(ir.Constant(vf, None), w, ir.Constant(ir.IntType(32), 0)),
+                                      ir.Constant(vf, None), zeros)
+                for c in range(chunks):
+                    b.store(b.call(fma_v, [wv, vv[c], b.load(accs[h][c])]), accs[h][c])
+        for h in range(heads):
+            for c in range(chunks):
+                b.store(b.load(accs[h][c]), ptrs[h][c], align=4)
+        b.store(b.add(c0, ir.Constant(i64, chunks * _LANES)), col)
+
+    chunks = _LANES // heads
+    with cgutils.for_range(b, b.sdiv(n_cols, ir.Constant(i64, chunks * _LANES))):
+        columns(chunks)
+    while chunks > 1:
+        chunks //= 2
+        left = b.sub(n_cols, b.load(col))
+        with b.if_then(b.icmp_signed(">=", left, ir.Constant(i64, chunks * _LANES))):
+            columns(chunks)
+    with cgutils.for_range(b, b.sub(n_cols, b.load(col))) as tail:
+        c = b.add(b.load(col), tail.index)
+        for h in range(heads):
+            acc = cgutils.alloca_once_value(b, b.load(b.gep(os_[h], [c])))
+            with cgutils.for_range(b, n) as loop:
+                row = b.inttoptr(b.add(v_i, b.mul(loop.index, v_stride)), elem.as_pointer())
+                x = b.load(b.gep(row, [c]))
+                x = b.fpext(x, f32) if half else x
+                b.store(b.call(fma_s, [b.load(b.gep(ws[h], [loop.index])), x, b.load(acc)]), acc)
+            b.store(b.load(acc), b.gep(os_[h], [c]))
+
+
+def _make_scores(half: bool, positions: int) -> Any:
+    """The intrinsic scores(...) of emit_scores for F16 or float32 rows, `positions` key rows a call."""
+    @intrinsic
+    def scores(typingctx: Any, k_addr: Any, k_stride: Any, hd: Any, q_addr: Any, q_stride: Any, n_heads: Any,
+               out_addr: Any, out_stride: Any) -> Any:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            emit_scores(builder, list(args), half, positions)
+            return context.get_dummy_value()
+
+        return types.void(*[types.intp] * 8), codegen
+
+    return scores
+
+
+def _make_attention_loops(half: bool) -> tuple[Any, Any, Any]:
+    """The intrinsics scores(...) of one and of two key rows, and wsum(...) of emit_weighted_sum, for F16 or
+    float32 rows."""
+
+    @intrinsic
+    def wsum(typingctx: Any, v_addr: Any, v_stride: Any, n: Any, n_cols: Any, w_addr: Any, w_stride: Any,
+             n_heads: Any, o_addr: Any, o_stride: Any) -> Any:
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+            emit_weighted_sum(builder, list(args), half)
+            return context.get_dummy_value()
+
+        return types.void(*[types.intp] * 9), codegen
+
+    return _make_scores(half, 1), _make_scores(half, 2), wsum
+
+
+(_scores_half, _scores2_half, _wsum_half), (_scores_float, _scores2_float, _wsum_float) = (
+    _make_attention_loops(True), _make_attention_loops(False))
+_KEYS_AHEAD = 8  # key rows requested ahead of the scores (see attention)
+_SUM_BLOCK = 64  # positions per pass over the values: their rows stay in L1/L2 across the column passes
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
+              positions: np.ndarray, n_heads: int, out: np.ndarray) -> None:
+    """Store row t's k, v [n, n_kv*hd] at positions[t] of slot slots[t] of the cache keys/values
+    [n_seqs, n_kv, n_ctx, hd] (float32, or F16 bits as uint16); then causal grouped-query attention of
+    q [n, n_heads*hd] over it.
+
+    Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
+    h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. A task is a
+    row and a KV head with the query heads that share it: each cached key and value is read once
+    for all of them (from memory, once the context outgrows the caches), not once per head, and each
+    F16 vector is converted once for all of them. The scores are `emit_scores`' 16-lane dots, two key rows
+    a call, and the weighted values `emit_weighted_sum`'s, in LLVM IR, for chunks of 4, 2 or 1 query heads:
+    numba's loops had loaded both operands of every FMA (the score dots) or the sums of every head (the
+    values pass), and ran at ~9 G FMA/s on Zen 1. A row's result never depends on the rows beside it.
+    """
+    n = q.shape[0]
+    n_kv, hd = keys.shape[1], keys.shape[3]
+    group = n_heads // n_kv
+    scale = np.float32(1.0 / np.sqrt(hd))
+    like_k, like_v = keys[0, 0, 0, 0], values[0, 0, 0, 0]
+    for t in range(n):
+        for h in range(n_kv):
+            # Through 1-D views, one array a loop: these vectorize (the 4-D stores had converted one value at
+            # a time, 9 us for 8 tokens of F16 against 1).
+            kd, vd = keys[slots[t], h, positions[t]], values[slots[t], h, positions[t]]
+            ks, vs = k[t, h * hd:(h + 1) * hd], v[t, h * hd:(h + 1) * hd]
+            for d in range(hd):
+                kd[d] = _stored_as(ks[d], like_k)
+            for d in range(hd):
+                vd[d] = _stored_as(vs[d], like_v)
+    for task in prange(n_kv * n):
+        kv, t = task // n, task % n
+        slot, total = slots[t], positions[t] + 1
+        ks, vs = keys[slot, kv], values[slot, kv]
+        # Flat 1-D loops over views (as the stores above): 2-D indexing here had stayed scalar.
+        qg, qs = np.empty(group * hd, np.float32), q[t, kv * group * hd:(kv + 1) * group * hd]
+        for i in range(group * hd):
+            qg[i] = qs[i] * scale
+        scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
+        kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
+        for p in range(0, total, 2):
+            # Positions p, p + 1's value rows are requested into the caches now, with the key rows, so the
+            # values pass below reads them from cache, not memory (5-10 % less attention time at 1024
+            # positions); and the key rows _KEYS_AHEAD on, about 0.2 us of scores away (one row on was too
+            # near to hide a miss: a B=8 step at 48 positions on a Zen 5, one thread: attention 3.0-3.5 ->
+            # 2.4-2.9 ms; 16 on did as well).
+            for r in range(p, p + 2):
+                for c in range(0, hd * vs.itemsize, 64):
+                    prefetch_keep(vs.ctypes.data + r * vstride + c)
+                    prefetch_keep(ks.ctypes.data + (r + _KEYS_AHEAD) * kstride + c)
+            args = (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group,
+                    scores.ctypes.data + p * 4, sstride)
+            if p + 1 == total and ks.itemsize == 2:
+                _scores_half(*args)
+            elif p + 1 == total:
+                _scores_float(*args)
+            elif ks.itemsize == 2:
+                _scores2_half(*args)
+            else:
+                _scores2_float(*args)
+        inv = np.empty(group, np.float32)
+        for g in range(group):
+            sg = scores[g]
+            top = np.float32(-np.inf)
+            for p in range(total):
+                top = max(top, sg[p])
+            exp_shifted(sg, top, bits)
+            den = 0.0
+            for p in range(total):
+                den += sg[p]
+            inv[g] = np.float32(1.0 / den)
+        o = np.zeros((group, hd), np.float32)
+        for p0 in range(0, total, _SUM_BLOCK):
+            args = (vs.ctypes.data + p0 * vstride, vstride, min(_SUM_BLOCK, total - p0), hd,
+                    scores.ctypes.data + p0 * 4, sstride, group, o.ctypes.data, hd * 4)
+            if vs.itemsize == 2:
+                _wsum_half(*args)
+            else:
+                _wsum_float(*args)
+        dst = out[t, kv * group * hd:(kv + 1) * group * hd]
+        for g in range(group):
+            og, dg, ig = o[g], dst[g * hd:(g + 1) * hd], inv[g]
+            for d in range(hd):
+                dg[d] = og[d] * ig
