@@ -323,12 +323,10 @@ class Scheduler:
 def _pick_rows(engine: Engine, logits: Any, seqs: list[_Running]) -> list[Any]:
     """Each sequence's next token from its row: one device argmax for the plain greedy ones, one copy of
     the logits to the host for the others (biases, penalties, sampling, logprobs)."""
-    from bitnet.runtime.sampling import Choice
+    from bitnet.runtime.sampling import Choice, host_logits
 
     slow = [s.req.sampler.needs_host for s in seqs]
-    # Logits already in host memory are read where they are: pick_host never writes them, and a copy of 8 rows
-    # of a 128k vocabulary cost 0.5 ms a step (fresh pages).
-    host = (logits if isinstance(logits, np.ndarray) else engine.provider.to_host(logits)) if any(slow) else None
+    host = host_logits(engine.provider, logits) if any(slow) else None
     best = engine.provider.argmax(logits) if not all(slow) else None
     return [s.req.sampler.pick_host(host[i], s.history) if on_host else Choice(int(best[i]))
             for i, (s, on_host) in enumerate(zip(seqs, slow, strict=True))]

@@ -481,8 +481,8 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
     qsum = b.inttoptr(qsum_i, _I32.as_pointer())
     sums = [b.load(a) for row in accs for a in row]
     if blk.lanes > 1 and len(sums) > 1:
-        parts = [_lane_sums(b, sums[i:i + blk.lanes], blk.lanes) for i in range(0, len(sums), blk.lanes)]
-        totals = [b.extract_element(parts[i // blk.lanes], ir.Constant(_I32, i % blk.lanes)) for i in range(len(sums))]
+        folded = [_lane_sums(b, sums[i:i + blk.lanes], blk.lanes) for i in range(0, len(sums), blk.lanes)]
+        totals = [b.extract_element(folded[i // blk.lanes], ir.Constant(_I32, i % blk.lanes)) for i in range(len(sums))]
     else:
         totals = [acc if blk.lanes == 1 else b.call(blk.reduce, [acc]) for acc in sums]
     for i, total in enumerate(totals):

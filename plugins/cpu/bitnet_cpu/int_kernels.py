@@ -114,10 +114,11 @@ _q8_dot_1 = _make_q8_dot(1)
 _q8_dot_2 = _make_q8_dot(2)
 _q8_dot = _make_q8_dot(TILE)
 _q8_dot_wide = _make_q8_dot(WIDE)  # from 5 tokens on: each row read once for up to WIDE of them
-# VNNI, TILE tokens or more: two table rows per pass share each activation load (see emit_q8_dot).
-_Q8_PAIRS = ISA in ("avx512vnni", "avxvnni")
-_q8_dot_pair = _make_q8_dot(TILE, 2) if _Q8_PAIRS else _q8_dot
-_q8_dot_wide_pair = _make_q8_dot(WIDE, 2) if _Q8_PAIRS else _q8_dot_wide
+# VNNI, TILE tokens or more: two rows per pass (table rows here, weight rows in BitLinear) share each activation
+# load (see emit_dot, emit_q8_dot).
+_PAIRS = ISA in ("avx512vnni", "avxvnni")
+_q8_dot_pair = _make_q8_dot(TILE, 2) if _PAIRS else _q8_dot
+_q8_dot_wide_pair = _make_q8_dot(WIDE, 2) if _PAIRS else _q8_dot_wide
 
 # -- activation quantization (float32 arithmetic exactly as the reference: no fastmath) -----------
 
@@ -204,8 +205,7 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
     divisors are 127/max|x| or 1, never 0)."""
     one, two, tile = (_make_dot(t, per_block) for t in (1, 2, TILE))
     big = _make_dot(WIDE, per_block) if wide else tile
-    # VNNI, TILE tokens or more: two rows per pass share each activation load (see emit_dot).
-    pairs = ISA in ("avx512vnni", "avxvnni") and not per_block
+    pairs = _PAIRS and not per_block
     tile2 = _make_dot2(TILE) if pairs else tile
     big2 = _make_dot2(WIDE) if pairs and wide else tile2
 
@@ -389,7 +389,7 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
             hi = min(vocab, (task + 1) * rows_per_task, lo + _HEAD_ROWS)
             r = lo
             while r < hi:
-                pair = _Q8_PAIRS and n >= TILE and r + 1 < hi
+                pair = _PAIRS and n >= TILE and r + 1 < hi
                 waddr = table.ctypes.data + r * wstride
                 t0 = 0
                 while t0 < n:
