@@ -254,6 +254,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
             qg[i] = qs[i] * scale
         scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
         kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
+        # The next task's key and value rows (its first `total`: decoding sequences are about as long) are
+        # requested during this one's scores, so it starts from L2, not memory; unless it reads the same rows
+        # (a prompt's next token). A B=8 step at 48 positions on a Zen 5, one thread: attention 2.7-3.1 ->
+        # 2.3-2.5 ms; one sequence at 512 positions 2.6-2.8 -> 2.3-2.4 ms.
+        nxt = min(task + 1, n_kv * n - 1)
+        nks, nvs = keys[slots[nxt % n], nxt // n], values[slots[nxt % n], nxt // n]
+        other = nks.ctypes.data != ks.ctypes.data
         for p in range(0, total, 2):
             # Positions p, p + 1's value rows are requested into the caches now, with the key rows, so the
             # values pass below reads them from cache, not memory (5-10 % less attention time at 1024
@@ -264,6 +271,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
                 for c in range(0, hd * vs.itemsize, 64):
                     prefetch_keep(vs.ctypes.data + r * vstride + c)
                     prefetch_keep(ks.ctypes.data + (r + _KEYS_AHEAD) * kstride + c)
+                    if other:
+                        prefetch_keep(nks.ctypes.data + r * kstride + c)
+                        prefetch_keep(nvs.ctypes.data + r * vstride + c)
             args = (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group,
                     scores.ctypes.data + p * 4, sstride)
             if p + 1 == total and ks.itemsize == 2:
