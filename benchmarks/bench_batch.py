@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     llama_model = args.llama_model or args.model
+    from bitnet.modelfile import huge_pages
+
+    for path in {args.model, llama_model}:
+        huge_pages.reread(path)  # both engines' files cached as after a reboot (see bench_cpu)
     log = sys.stderr
     print(f"model {args.model}, llama.cpp on {llama_model}; prompts of {args.prompt_tokens} tokens, "
           f"{args.decode_tokens} decoded each, B in {batches}, {args.runs} runs, our LM head {args.lm_head}, "

@@ -169,13 +169,6 @@ def model_path(args: argparse.Namespace, weight_type: str) -> Path:
     return path
 
 
-def warm_page_cache(path: Path) -> None:
-    # Both engines memory-map the file: read it once so neither pays for the first cold read.
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
-
-
 def measure_once(row: Row, args: argparse.Namespace, run: int) -> None:
     if row.error:
         return
@@ -277,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     files = {**{f"ours {k}": v for k, v in ours.items()}, **{f"llama.cpp {k}": v for k, v in theirs.items()}}
     print(f"bench_inference: prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} tokens, "
           f"{args.runs} run(s) each, medians", file=sys.stderr)
+    from bitnet.modelfile import huge_pages
+
     for path in sorted({r.file for r in rows}):
-        warm_page_cache(path)
+        huge_pages.reread(str(path))  # as after a reboot, and neither engine pays the first cold read
     load_before = os.getloadavg()[0]
     # Runs interleave the engines, so a neighbour's load on a shared machine hits them alike.
     for run in range(args.runs):

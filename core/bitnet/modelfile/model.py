@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from bitnet.errors import ModelError
-from bitnet.modelfile import formats, load_cache
+from bitnet.modelfile import formats, huge_pages, load_cache
 from bitnet.modelfile.ternary import TernaryMatrix
 
 if TYPE_CHECKING:  # gguf is imported only to read a file whole (gguf_reader), not for a cached one
@@ -146,6 +146,7 @@ def _open(path: str) -> Reader:
         reader = Reader(path)
     except Exception as e:  # any failure of a parser on hostile bytes means a bad file
         raise ModelError(f"{path}: {_one_line(e)}") from e
+    huge_pages.advise(reader.data)
     return reader
 
 
@@ -178,6 +179,7 @@ def _mapped(path: str, entry: load_cache.Entry) -> _Mapped | None:
         return None
     if not load_cache.matches(entry, path, data):
         return None
+    huge_pages.advise(data)
     plain = data.view(np.ndarray)
     try:
         tensors = [_Tensor(name, ggml_type, tuple(dims), n, n_bytes, offset,
@@ -494,6 +496,7 @@ def load_model(path: str | os.PathLike[str], progress: Callable[[int, int], None
         raise ModelError(f"{path}: invalid model: {_one_line(e)}") from e
     if known is None:
         load_cache.store(path, ident, reader.data, reader.data_offset, model.metadata, _tensor_infos(reader, model))
+        huge_pages.recache(path, reader.data)  # the pages come back as map_pages or the first token reads them
     return model
 
 
