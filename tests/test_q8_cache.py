@@ -152,3 +152,22 @@ def test_another_code_version_trusts_no_entry(cache: Path, tmp_path: Path, monke
     monkeypatch.setattr(q8_cache, "_stamp", lambda: b"another version")
     q8_cache.table(mapped(tmp_path / "m.gguf"), build)
     assert build.calls == 2
+
+
+def test_an_entry_leaves_the_page_cache_when_written_and_is_mapped_for_2_mb_pages(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written in 4 KB folios, an entry is dropped so that the next load reads it in 2 MB ones (huge_pages)."""
+    from bitnet.modelfile import huge_pages
+
+    dropped: list[str] = []
+    real_drop = huge_pages.drop
+    monkeypatch.setattr(huge_pages, "drop", lambda path: dropped.append(Path(path).name) or real_drop(path))
+    write_table(tmp_path / "m.gguf", 1)
+    q8_cache.table(mapped(tmp_path / "m.gguf"), Builds())
+    (entry,) = cache.glob("*.bin")
+    assert dropped == [entry.name]
+    hit = q8_cache.table(mapped(tmp_path / "m.gguf"), Builds())
+    assert dropped == [entry.name]  # a hit writes nothing
+    start = hit.q.__array_interface__["data"][0] - int(hit.q.offset) % os.sysconf("SC_PAGE_SIZE")
+    flags = Path("/proc/self/smaps").read_text().split(f"{start:x}-", 1)[1].split("VmFlags:", 1)[1].split("\n")[0]
+    assert "hg" in flags.split()  # MADV_HUGEPAGE

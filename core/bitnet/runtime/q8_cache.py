@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from bitnet.modelfile import load_cache
+from bitnet.modelfile import huge_pages, load_cache
 from bitnet.modelfile.model import mapped_span, release_pages
 from bitnet.plugins.types import cache_dir
 from bitnet.runtime.reference import Q8Table, q8_table
@@ -88,6 +88,7 @@ def _read(entry: Path, key: tuple, head: np.ndarray) -> Q8Table | None:
         scale = np.fromfile(entry, np.float32, vocab, offset=_HEADER)
         # Copy-on-write: a writable array (the kernels' compiled signature) that never writes the file.
         q = np.memmap(entry, np.int8, mode="c", offset=_codes_at(vocab), shape=(vocab, dim))
+        huge_pages.advise(q)
     except Exception:  # missing, unreadable, truncated or another format: a miss, never an error
         return None
     rows = np.array(sorted(set(np.linspace(0, vocab - 1, min(vocab, CHECK_ROWS)).astype(np.intp).tolist())), np.intp)
@@ -111,6 +112,7 @@ def _write(entry: Path, key: tuple, built: Q8Table) -> None:
             np.ascontiguousarray(built.q, np.int8).tofile(f)
 
         load_cache.write_entry(entry, fill, MAX_ENTRIES)
+        huge_pages.drop(entry)  # cached in the 4 KB folios of its writes: the next load reads it in 2 MB ones
     except OSError:  # an unwritable or full cache: the next load builds again
         pass
 
