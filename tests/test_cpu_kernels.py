@@ -8,6 +8,8 @@ tolerance: FLOAT_TOL for float32 sums taken in another order.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numba
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from bitnet.runtime.reference import Q8Table, ReferenceProvider, q8_table
 from bitnet_cpu import attention as attn
 from bitnet_cpu import dot_ir, isa
 from bitnet_cpu import float_kernels as fk
-from bitnet_cpu.dot_ir import GROUP, TILE, WIDE, WIDE_BYTES
+from bitnet_cpu.dot_ir import GROUP, TILE, WIDE
 from bitnet_cpu.provider import CpuProvider, PackedTernary
 
 REF = ReferenceProvider()
@@ -301,7 +303,8 @@ def test_extreme_codes_and_zero_weights(cpu: CpuProvider, blocks: int) -> None:
     # more blocks than AVX2's int16 partial sums span (GROUP; two blocks in the one-token pass, an odd count
     # here), at 1, 2, TILE and (rows narrow enough) WIDE tokens.
     cols = 256 * blocks
-    assert (cols * WIDE <= WIDE_BYTES) == (blocks == GROUP + 2)  # both kinds of pass are covered
+    cpu.wide_bytes = 24 << 10  # (a 32 KB L1's parts: isa.wide_bytes)
+    assert (cols * WIDE <= cpu.wide_bytes) == (blocks == GROUP + 2)  # both kinds of pass are covered
     t = np.ones((4, cols), np.int8)
     t[1] = -1
     t[2] = 0
@@ -599,3 +602,31 @@ def test_long_bitlinear_tasks_are_handed_out_one_at_a_time() -> None:
     p.lm_head(rng.standard_normal((_LONG_TASK_TOKENS, 256)).astype(np.float32), table)
     seen.append(numba.get_parallel_chunksize())
     assert seen == [1, 0, 1, 0]
+
+
+def test_column_parts_change_no_bit(cpu: CpuProvider) -> None:
+    """A WIDE pass over a row in 1, 2, 3 or 27 column parts (isa.wide_bytes, from the host's L1) gives the same sums."""
+    rng = np.random.default_rng(21)
+    w = ternary(rng, 70, 27 * 256, block_scales=False)
+    x = rng.standard_normal((WIDE + 3, 27 * 256)).astype(np.float32)
+    packed = cpu.upload_ternary(w)
+    results = []
+    for parts in (1, 2, 3, 27):
+        cpu.wide_bytes = -(-27 * 256 * WIDE // parts)
+        results.append(cpu.bitlinear(x, packed, "row"))
+    for got in results[1:]:
+        np.testing.assert_array_equal(got.view(np.uint32), results[0].view(np.uint32))
+    np.testing.assert_allclose(results[0], REF.bitlinear(x, w, "row"), rtol=1e-6, atol=0)
+
+
+def test_wide_bytes_is_two_thirds_of_the_l1_data_cache(tmp_path: Path) -> None:
+    caches = [(1, "Instruction", "32K"), (1, "Data", "48K"), (2, "Unified", "1024K")]
+    for index, (level, kind, size) in enumerate(caches):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert isa.l1_data_bytes.__wrapped__(str(tmp_path)) == 48 << 10  # the data cache, not the instruction one
+    assert isa.l1_data_bytes.__wrapped__(str(tmp_path / "none")) == 32 << 10
+    assert isa.wide_bytes() == isa.l1_data_bytes() * 2 // 3

@@ -54,12 +54,10 @@ PREFETCH_BYTES = 8192  # how far past the block being read one row's codes are r
 PAIR_AHEAD = 8  # two rows per pass request the same block this many rows on (2: 8-10 % slower at 8 tokens, 16: as 8)
 GROUP = 7  # AVX2 blocks whose int16 sums add up before widening (see _avx2_row_loop)
 TILE = 4  # tokens per pass over a weight row in prefill: TILE accumulators plus the codes stay in registers
-# Tokens per pass when their activations fit in L1 (WIDE_BYTES of a row's columns): the codes are unpacked once
-# for twice as many tokens. On 2560-column rows (AVX2, 8-128 tokens) 4-7 % faster for gate/up and 1-6 % for the
-# others. Whole 6912-column rows spill to L2 and ran 10-40 % slower, so wider rows go in column parts of at most
-# WIDE_BYTES (see int_kernels.matmul_rowscale).
+# Tokens per pass when their activations fit in L1 (isa.wide_bytes() of a row's columns): the codes are unpacked
+# once for twice as many tokens. On 2560-column rows (AVX2, 8-128 tokens) 4-7 % faster for gate/up and 1-6 % for
+# the others. Wider rows go in column parts (see int_kernels.matmul_rowscale).
 WIDE = 8
-WIDE_BYTES = 24 << 10
 
 LEVELS = ("avx512vnni", "avxvnni", "avx2", "generic")  # best first
 _VNNI = ("avx512vnni", "avxvnni")

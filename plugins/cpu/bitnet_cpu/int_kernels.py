@@ -33,7 +33,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from bitnet_cpu import float_kernels as fk
-from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, WIDE, WIDE_BYTES, emit_dot, emit_peak, emit_q8_dot
+from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, WIDE, emit_dot, emit_peak, emit_q8_dot
 
 try:  # set by bitnet_cpu.isa.build() before it runs this module
     ISA: str = globals()["ISA"]
@@ -245,14 +245,14 @@ _row_sums, _block_sums = _make_sums(False, True), _make_sums(True, False)
 
 @njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")
 def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, s: np.ndarray,
-                    row_scale: np.ndarray, out: np.ndarray) -> None:
+                    row_scale: np.ndarray, out: np.ndarray, wide_bytes: int) -> None:
     """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row
     (out flat, each array's [n, height] in turn; r a row of the stack)."""
     n, qstride = q.shape[0], q.strides[0]
     # Columns a WIDE pass takes at a time: its tokens' activations stay in L1. A wider row (6912 columns)
     # runs as a few such parts over all of a task's rows in turn, adding up exact int32 sums; whole rows
     # of 8 tokens (55 KB) had come from L2 in every pass: 450 G products/s against 650 at 2560 columns.
-    parts = -(-(nb * BLOCK * WIDE) // WIDE_BYTES)
+    parts = -(-(nb * BLOCK * WIDE) // wide_bytes)
     kb = -(-nb // parts)
     qtot = np.empty(n, np.float64)
     for t in range(n):
@@ -324,14 +324,15 @@ def matmul_blockscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, q
 
 @njit(parallel=True, cache=CACHE, error_model="numpy")
 def bitlinear_row_rowscale(x: np.ndarray, tasks: np.ndarray, bstride: int, row_scale: np.ndarray,
-                           rev: bool) -> np.ndarray:
-    """"row" quantization, one weight scale per row: y, each array's [n, its rows] in turn (flat)."""
+                           rev: bool, wide_bytes: int) -> np.ndarray:
+    """"row" quantization, one weight scale per row: y, each array's [n, its rows] in turn (flat); column parts
+    of at most wide_bytes of activations per WIDE pass (isa.wide_bytes)."""
     n, cols = x.shape
     q, s = int8_rows(n, cols), np.empty(n, np.float32)
     qsum = np.empty((n, cols // BLOCK), np.int32)
     quantize_rows(x, q, s, qsum, rev)
     out = np.empty(n * row_scale.shape[0], np.float32)
-    matmul_rowscale(tasks, cols // BLOCK, bstride, q, qsum, s, row_scale, out)
+    matmul_rowscale(tasks, cols // BLOCK, bstride, q, qsum, s, row_scale, out, wide_bytes)
     return out
 
 

@@ -68,6 +68,27 @@ def host_levels() -> tuple[str, ...]:
     return tuple(level for level in LEVELS if has[level])
 
 
+@functools.cache
+def l1_data_bytes(caches: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The L1 data cache of the host's first core in bytes, from sysfs; 32 KB where it does not say."""
+    for index in sorted(Path(caches).glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "1" and (index / "type").read_text().strip() != "Instruction":
+                size = (index / "size").read_text().strip().upper()
+                return int(size.rstrip("KM")) << (20 if size.endswith("M") else 10 if size.endswith("K") else 0)
+        except (OSError, ValueError):
+            continue
+    return 32 << 10
+
+
+def wide_bytes() -> int:
+    """How many bytes of a row's activations a WIDE pass of BitLinear takes at a time (int_kernels.matmul_rowscale):
+    two thirds of L1, the rest for the codes streaming through. At 8 tokens the 6912-column down projection then
+    runs in 2 column parts on a 48 KB L1 (Zen 5: 360-364 -> 338-341 us a layer, streamed; prefill within noise)
+    and 3 on a 32 KB one, where 24 KB parts had been measured best (whole rows, 55 KB, from L2: 10-40 % slower)."""
+    return l1_data_bytes() * 2 // 3
+
+
 def choose(requested: str | None = None) -> str:
     """The level to use: `requested`, else BITNET_CPU_ISA, else the best the host runs.
 

@@ -152,6 +152,7 @@ class CpuProvider(ReferenceProvider):
         super().__init__(device, backend)
         self.isa = isa_levels.choose(isa)
         self._tk = isa_levels.kernels(self.isa)
+        self.wide_bytes = isa_levels.wide_bytes()  # BitLinear's column parts (see int_kernels.matmul_rowscale)
         kernel_cache.runtime_ready(isa_levels.cache_dir(self.isa))
         # numba cannot start more threads than it was configured with at import (NUMBA_NUM_THREADS).
         self.n_threads = max(1, min(n_threads or threads(), numba.config.NUMBA_NUM_THREADS))
@@ -203,7 +204,7 @@ class CpuProvider(ReferenceProvider):
             y = self._tk.bitlinear_block256(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
         elif w.row_scales is not None:
             self.record("cpu.bitlinear_rowscale_row")
-            y = self._tk.bitlinear_row_rowscale(x, w.tasks, w.bstride, w.row_scales, w.fields_reversed)
+            y = self._tk.bitlinear_row_rowscale(x, w.tasks, w.bstride, w.row_scales, w.fields_reversed, self.wide_bytes)
         else:
             self.record("cpu.bitlinear_blockscale_row")
             y = self._tk.bitlinear_row_blockscale(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
