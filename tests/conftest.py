@@ -91,3 +91,11 @@ def cpu_env(monkeypatch: pytest.MonkeyPatch, bitnet_cache_dir: str) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("BITNET_CACHE_DIR", bitnet_cache_dir)
     monkeypatch.setenv("BITNET_DEVICE", "cpu")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def cpu_float(request: pytest.FixtureRequest):
+    """A CPU provider at the host's level, with 1 and 2 threads (float kernels: one build for every level)."""
+    from cpu_support import provider
+
+    return provider(request.param)

@@ -211,3 +211,16 @@ def test_each_level_caches_under_its_own_key_and_a_cold_cache_is_announced(tmp_p
     # serves another.
     assert _run(None, tmp_path) == (LEVELS[0], [ANNOUNCEMENT])
     assert _cached_levels(tmp_path) == {"generic", LEVELS[0]}
+
+
+def test_wide_bytes_is_two_thirds_of_the_l1_data_cache(tmp_path: Path) -> None:
+    caches = [(1, "Instruction", "32K"), (1, "Data", "48K"), (2, "Unified", "1024K")]
+    for index, (level, kind, size) in enumerate(caches):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert isa.l1_data_bytes.__wrapped__(str(tmp_path)) == 48 << 10  # the data cache, not the instruction one
+    assert isa.l1_data_bytes.__wrapped__(str(tmp_path / "none")) == 32 << 10
+    assert isa.wide_bytes() == isa.l1_data_bytes() * 2 // 3

@@ -1,6 +1,6 @@
 """The F16 KV cache end to end (docs/design.md section 4): bitnet.load(kv_type=...), its agreement with the
 float32 cache, its memory, the CLI's --kv-type, and the backends that refuse it. The CPU attention kernel
-over an F16 cache is checked against the reference in test_cpu_kernels.py."""
+over an F16 cache is checked against the reference in test_cpu_float_kernels.py."""
 
 from __future__ import annotations
 
