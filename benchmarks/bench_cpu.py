@@ -219,8 +219,8 @@ def worker_bandwidth(threads: int) -> dict[str, Any]:
     spare = np.frombuffer(huge, np.uint8)
     spare = spare[-spare.ctypes.data % (2 << 20):][:1 << 30].view(np.uint64)
     best = {}
-    for pages, a in (("4k", np.ones(1 << 27, dtype=np.uint64)), ("2m", spare)):
-        a[:] = 1
+    for pages, a in (("4k", np.empty(1 << 27, dtype=np.uint64)), ("2m", spare)):
+        a[:] = 1  # every page in before it is timed
         a = a.reshape(-1, page)
         for ahead in (False, True):
             read(a, ahead)
