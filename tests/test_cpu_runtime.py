@@ -139,3 +139,55 @@ def test_a_numba_without_the_cache_hooks_loads_the_standard_way(monkeypatch: pyt
     monkeypatch.delattr(Cache, "_load_overload")
     kernel_cache.load_lightly(mod)
     assert "load_overload" not in vars(mod.plus_one._cache)
+
+
+def test_a_cached_kernel_loads_from_its_machine_code_and_parses_its_bitcode_only_to_link(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # numba parses a cached library's bitcode on load, to list its symbols: 30 ms of a model's first forward pass.
+    from llvmlite import binding
+
+    from bitnet_cpu import kernel_cache
+
+    parsed = []
+    parse = binding.parse_bitcode
+    monkeypatch.setattr(binding, "parse_bitcode", lambda data: parsed.append(len(data)) or parse(data))
+    assert _cached_module(monkeypatch, tmp_path).plus_one(1) == 2  # compiled and written to the cache
+    mod = _cached_module(monkeypatch, tmp_path)
+    kernel_cache.load_lightly(mod)
+    parsed.clear()
+    assert mod.plus_one(41) == 42
+    assert sum(mod.plus_one.stats.cache_hits.values()) == 1 and parsed == []
+    twice = numba.njit(lambda x: 2 * mod.plus_one(x))  # a compile that links the loaded library in
+    assert twice(20) == 42 and len(parsed) == 1
+
+
+def test_a_librarys_symbols_read_from_its_machine_code_are_the_ones_numba_lists(monkeypatch: pytest.MonkeyPatch,
+                                                                                tmp_path: Path) -> None:
+    from llvmlite import binding
+
+    from bitnet_cpu.kernel_cache import elf_defined_symbols
+
+    mod = _cached_module(monkeypatch, tmp_path)
+    assert mod.plus_one(1) == 2
+    [library] = [cres.library for cres in mod.plus_one.overloads.values()]
+    _, kind, (machine_code, bitcode) = library.serialize_using_object_code()
+    module = binding.parse_bitcode(bitcode)
+    listed = {g.name for gs in (module.functions, module.global_variables) for g in gs if not g.is_declaration}
+    assert kind == "object" and elf_defined_symbols(machine_code) == listed
+    no_symtab = bytearray(machine_code)
+    shoff = int.from_bytes(machine_code[0x28:0x30], "little")
+    for i in range(int.from_bytes(machine_code[0x3C:0x3E], "little")):  # every section's type made "program data"
+        no_symtab[shoff + 64 * i + 4:shoff + 64 * i + 8] = (1).to_bytes(4, "little")
+    for broken in (b"", b"junk" * 20, machine_code[:200], bytes(no_symtab)):
+        with pytest.raises(ValueError):
+            elf_defined_symbols(broken)
+
+
+def test_a_library_whose_machine_code_cannot_be_read_loads_the_standard_way() -> None:
+    from bitnet_cpu import kernel_cache
+
+    standard = []
+    for data in ((b"junk", b""), None):
+        state = ("lib", "object" if data else "bitcode", data)
+        kernel_cache._unserialize(None, standard.append, state)  # (codegen unused when it falls back)
+    assert len(standard) == 2
