@@ -17,6 +17,7 @@ from cpu_support import REF, one_by_one, provider, rel_err
 from bitnet.modelfile import formats
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
+from bitnet.runtime.provider import KernelProvider
 from bitnet.runtime.reference import q8_table
 from bitnet_cpu import dot_ir, isa
 from bitnet_cpu.dot_ir import GROUP, TILE, WIDE
@@ -195,6 +196,44 @@ def test_a_group_runs_in_one_call_as_its_projections_would(cpu: CpuProvider, mod
         assert sum(cpu.dispatches.values()) == calls + 1
         for w, y in zip(ws, got, strict=True):
             np.testing.assert_array_equal(y, cpu.bitlinear(x[rows], cpu.upload_ternary(w), mode))
+
+
+@pytest.mark.parametrize("act", ["relu2", "silu"])
+@pytest.mark.parametrize("sub", [True, False], ids=["sub_norm", "no_sub_norm"])
+@pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
+def test_one_tokens_ffn_runs_in_one_region_as_its_operations_would(cpu: CpuProvider, act: str, sub: bool,
+                                                                   layout: str) -> None:
+    # gate/up 2 x 768 rows (24 tasks), down 512 rows (8 tasks): both threads claim from both shares.
+    rng = np.random.default_rng(17)
+    dim, hidden = 512, 768
+    gate_up = cpu.upload_ternary_group([file_layout(rng, ternary(rng, hidden, dim, False), layout) for _ in "gu"])
+    down = cpu.upload_ternary(file_layout(rng, ternary(rng, dim, hidden, False), layout))
+    norm, sub_norm = rng.uniform(0.5, 1.5, dim).astype(np.float32), rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    x = (rng.standard_normal((3, dim)) * rng.uniform(0.1, 10, (3, 1))).astype(np.float32)
+    args = (norm, gate_up, sub_norm if sub else None, down, 1e-5, act)
+    for rows in (slice(0, 1), slice(2, 3), slice(0, 3)):
+        fused = cpu.dispatches["cpu.ffn_rowscale_row"]
+        got = cpu.ffn(x[rows], *args, "row")
+        assert cpu.dispatches["cpu.ffn_rowscale_row"] == fused + (rows.stop - rows.start == 1)
+        np.testing.assert_array_equal(got, KernelProvider.ffn(cpu, x[rows], *args, "row"))
+    np.testing.assert_array_equal(cpu.ffn(x[2:3], *args, "row"), cpu.ffn(x, *args, "row")[2:3])  # batch invariant
+    for mode in ("block256", "none"):  # other quantizations run as the operations
+        fused = cpu.dispatches["cpu.ffn_rowscale_row"]
+        got = cpu.ffn(x[:1], *args, mode)
+        assert cpu.dispatches["cpu.ffn_rowscale_row"] == fused
+        np.testing.assert_array_equal(got, KernelProvider.ffn(cpu, x[:1], *args, mode))
+
+
+def test_an_ffn_with_a_scale_per_block_runs_as_its_operations() -> None:
+    cpu = provider(2, LEVELS[0])
+    rng = np.random.default_rng(19)
+    gate_up = cpu.upload_ternary_group([ternary(rng, 256, 512, True) for _ in "gu"])
+    down = cpu.upload_ternary(ternary(rng, 512, 256, True))  # (one block a row: a scale per row)
+    assert gate_up.row_scales is None and down.row_scales is not None
+    args = (np.ones(512, np.float32), gate_up, None, down, 1e-5, "silu", "row")
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    np.testing.assert_array_equal(cpu.ffn(x, *args), KernelProvider.ffn(cpu, x, *args))
+    assert "cpu.ffn_rowscale_row" not in cpu.dispatches
 
 
 @pytest.mark.parametrize("mode", ["row", "block256", "none"])

@@ -175,6 +175,17 @@ class KernelProvider(ABC):
         results, to the bit, however a provider runs them (one quantization of x, one dispatch)."""
         return tuple(self.bitlinear(x, w, act_quant) for w in group)
 
+    def ffn(self, x: Any, norm: Any, gate_up: Any, sub_norm: Any | None, down: Any, eps: float, act: str,
+            act_quant: str) -> Any:
+        """A layer's feed-forward half: x + down(sub_norm(act(gate) * up)), gate and up (the uploaded group
+        `gate_up`) of rmsnorm(x, norm); no sub-norm when sub_norm is None. It is these operations in this
+        order, and a provider that runs it otherwise (one dispatch for a decode step's token, say) must give
+        the same bits."""
+        f = self.act_mul(*self.bitlinear_group(self.rmsnorm(x, norm, eps), gate_up, act_quant), act)
+        if sub_norm is not None:
+            f = self.rmsnorm(f, sub_norm, eps)
+        return self.add(x, self.bitlinear(f, down, act_quant))
+
     def rope(self, x: Any, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Any:
         """NEOX rotary embedding (rotate halves) of [n, n_heads*head_dim]; row i is at positions[i]."""
         return self._on_host("rope", x, n_heads, head_dim, positions, theta)

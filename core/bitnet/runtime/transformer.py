@@ -146,11 +146,7 @@ class Transformer:
             if L.attn_sub_norm is not None:
                 a = p.rmsnorm(a, L.attn_sub_norm, eps)
             x = p.add(x, p.bitlinear(a, L.wo, aq))
-            m = p.rmsnorm(x, L.ffn_norm, eps)
-            f = p.act_mul(*p.bitlinear_group(m, L.gate_up, aq), cfg.activation)
-            if L.ffn_sub_norm is not None:
-                f = p.rmsnorm(f, L.ffn_sub_norm, eps)
-            x = p.add(x, p.bitlinear(f, L.w_down, aq))
+            x = p.ffn(x, L.ffn_norm, L.gate_up, L.ffn_sub_norm, L.w_down, eps, cfg.activation, aq)
         ends = np.r_[np.flatnonzero(slots[1:] != slots[:-1]), n - 1]  # each sequence's last row
         self.filled[slots[ends]] = positions[ends] + 1  # a sequence that rewound no longer owns what follows
         if len(rows) == 0:

@@ -102,6 +102,14 @@ class PackedTernary:
         return tuple(y[n * lo:n * hi].reshape(n, hi - lo) for lo, hi in zip(self.starts, ends, strict=True))
 
 
+def _one_region_ffn(dim: int, gate_up: Any, down: Any) -> bool:
+    """Whether ffn_row_rowscale runs these: gate and up stacked, the same height, down back to dim columns wide,
+    every width whole blocks, a scale per row."""
+    return (isinstance(gate_up, PackedTernary) and isinstance(down, PackedTernary) and len(gate_up.starts) == 2
+            and gate_up.row_scales is not None and down.row_scales is not None
+            and gate_up.rows == 2 * gate_up.starts[1] == 2 * down.cols and gate_up.cols == dim == down.rows)
+
+
 def _tasks(blocks: np.ndarray, first: int) -> np.ndarray:
     """The parallel tasks over one projection's rows, first its first row in the stack (see int_kernels)."""
     lo = np.arange(0, len(blocks), _ROWS_PER_TASK, dtype=np.int64)
@@ -209,6 +217,28 @@ class CpuProvider(ReferenceProvider):
             self.record("cpu.bitlinear_blockscale_row")
             y = self._tk.bitlinear_row_blockscale(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
         return w.split(y, len(x))
+
+    def ffn(self, x: Any, norm: Any, gate_up: Any, sub_norm: Any | None, down: Any, eps: float, act: str,
+            act_quant: str) -> Any:
+        """One token with a scale per weight row ("row" quantization: I2_S, TQ2_0 with one scale a tensor) in one
+        parallel region (int_kernels.ffn_row_rowscale); anything else as the operations one by one, and so does a
+        subclass that replaces one of them (its own act_mul, say), which the region would bypass."""
+        if not (self._ffn_is_ours and len(x) == 1 and act_quant == "row" and act in ACTIVATIONS
+                and _one_region_ffn(np.shape(x)[1], gate_up, down)):
+            return super().ffn(x, norm, gate_up, sub_norm, down, eps, act, act_quant)
+        self.record("cpu.ffn_rowscale_row")
+        self._use_threads()
+        f32 = np.float32
+        sub = np.ascontiguousarray(sub_norm, f32) if sub_norm is not None else np.ones(1, f32)
+        return self._tk.ffn_row_rowscale(
+            np.ascontiguousarray(x, f32), np.ascontiguousarray(norm, f32), sub, sub_norm is not None, float(eps),
+            act == "relu2", gate_up.tasks, gate_up.bstride, gate_up.row_scales, gate_up.fields_reversed,
+            gate_up.starts[1], down.tasks, down.bstride, down.row_scales, down.fields_reversed, self.n_threads)
+
+    @functools.cached_property
+    def _ffn_is_ours(self) -> bool:
+        return all(getattr(type(self), op) is getattr(CpuProvider, op)
+                   for op in ("rmsnorm", "bitlinear_group", "act_mul", "bitlinear", "add"))
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
         """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time.
