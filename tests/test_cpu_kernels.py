@@ -224,6 +224,39 @@ def test_one_tokens_ffn_runs_in_one_region_as_its_operations_would(cpu: CpuProvi
         np.testing.assert_array_equal(got, KernelProvider.ffn(cpu, x[:1], *args, mode))
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("sub", [True, False], ids=["sub_norm", "no_sub_norm"])
+@pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
+def test_one_tokens_attention_runs_in_one_region_as_its_operations_would(cpu: CpuProvider, kv_type: str, sub: bool,
+                                                                         layout: str) -> None:
+    # 4 query heads over 2 KV heads of 128; slot 1 holds 5 positions when the token at position 5 arrives.
+    rng = np.random.default_rng(23)
+    dim, n_heads, n_kv, hd = 512, 4, 2, 128
+    qkv = cpu.upload_ternary_group([file_layout(rng, ternary(rng, rows, dim, False), layout)
+                                    for rows in (n_heads * hd, n_kv * hd, n_kv * hd)])
+    wo = cpu.upload_ternary(file_layout(rng, ternary(rng, dim, n_heads * hd, False), layout))
+    norm, sub_norm = (rng.uniform(0.5, 1.5, n).astype(np.float32) for n in (dim, n_heads * hd))
+    x = (rng.standard_normal((6, dim)) * 3).astype(np.float32)
+    caches = [cpu.kv_cache(1, 16, n_kv, hd, 2, kv_type) for _ in "ab"]
+    shape = (n_heads, n_kv, hd, 10000.0, 1e-5, "row")
+
+    def block(c: object, rows: slice, own: bool) -> np.ndarray:
+        run = cpu.attention_block if own else lambda *a: KernelProvider.attention_block(cpu, *a)
+        n = rows.stop - rows.start
+        return run(x[rows], norm, qkv, sub_norm if sub else None, wo, c, 0, np.full(n, 1, np.int32),
+                   np.arange(rows.start, rows.stop, dtype=np.int32), *shape)
+
+    for c in caches:
+        block(c, slice(0, 5), own=True)  # a prompt: the operations one by one
+    fused = cpu.dispatches["cpu.attention_block_rowscale_row"]
+    got, want = block(caches[0], slice(5, 6), own=True), block(caches[1], slice(5, 6), own=False)
+    assert cpu.dispatches["cpu.attention_block_rowscale_row"] == fused + 1
+    np.testing.assert_array_equal(got, want)
+    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        np.testing.assert_array_equal(a, b)
+    assert np.any(caches[0].k[0, 1, 5] != 0)  # the token's K was stored
+
+
 def test_an_ffn_with_a_scale_per_block_runs_as_its_operations() -> None:
     cpu = provider(2, LEVELS[0])
     rng = np.random.default_rng(19)

@@ -175,6 +175,20 @@ class KernelProvider(ABC):
         results, to the bit, however a provider runs them (one quantization of x, one dispatch)."""
         return tuple(self.bitlinear(x, w, act_quant) for w in group)
 
+    def attention_block(self, x: Any, norm: Any, qkv: Any, sub_norm: Any | None, wo: Any, cache: Any, layer: int,
+                        slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int,
+                        theta: float, eps: float, act_quant: str) -> Any:
+        """A layer's attention half: x + wo(sub_norm(attention(rope(q), rope(k), v))), q, k and v (the uploaded
+        group `qkv`) of rmsnorm(x, norm); no sub-norm when sub_norm is None. These operations in this order, as
+        `ffn` is: a provider that runs it otherwise must give the same bits and the same cache."""
+        q, k, v = self.bitlinear_group(self.rmsnorm(x, norm, eps), qkv, act_quant)
+        q = self.rope(q, n_heads, head_dim, positions, theta)
+        k = self.rope(k, n_kv_heads, head_dim, positions, theta)
+        a = self.attention(q, k, v, cache, layer, slots, positions, n_heads, n_kv_heads, head_dim)
+        if sub_norm is not None:
+            a = self.rmsnorm(a, sub_norm, eps)
+        return self.add(x, self.bitlinear(a, wo, act_quant))
+
     def ffn(self, x: Any, norm: Any, gate_up: Any, sub_norm: Any | None, down: Any, eps: float, act: str,
             act_quant: str) -> Any:
         """A layer's feed-forward half: x + down(sub_norm(act(gate) * up)), gate and up (the uploaded group

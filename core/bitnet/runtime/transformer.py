@@ -138,14 +138,8 @@ class Transformer:
         eps, hd, aq = cfg.rms_eps, cfg.head_dim, self.act_quant
         x = p.embed(self.token_embd, ids)
         for i, L in enumerate(self.layers):
-            h = p.rmsnorm(x, L.attn_norm, eps)
-            q, k, v = p.bitlinear_group(h, L.qkv, aq)
-            q = p.rope(q, cfg.n_heads, hd, positions, cfg.rope_theta)
-            k = p.rope(k, cfg.n_kv_heads, hd, positions, cfg.rope_theta)
-            a = p.attention(q, k, v, self.cache, i, slots, positions, cfg.n_heads, cfg.n_kv_heads, hd)
-            if L.attn_sub_norm is not None:
-                a = p.rmsnorm(a, L.attn_sub_norm, eps)
-            x = p.add(x, p.bitlinear(a, L.wo, aq))
+            x = p.attention_block(x, L.attn_norm, L.qkv, L.attn_sub_norm, L.wo, self.cache, i, slots, positions,
+                                  cfg.n_heads, cfg.n_kv_heads, hd, cfg.rope_theta, eps, aq)
             x = p.ffn(x, L.ffn_norm, L.gate_up, L.ffn_sub_norm, L.w_down, eps, cfg.activation, aq)
         ends = np.r_[np.flatnonzero(slots[1:] != slots[:-1]), n - 1]  # each sequence's last row
         self.filled[slots[ends]] = positions[ends] + 1  # a sequence that rewound no longer owns what follows

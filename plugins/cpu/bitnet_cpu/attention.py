@@ -230,11 +230,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     values pass), and ran at ~9 G FMA/s on Zen 1. A row's result never depends on the rows beside it.
     """
     n = q.shape[0]
+    n_kv = keys.shape[1]
+    store_kv(k, v, keys, values, slots, positions)
+    for task in prange(n_kv * n):
+        attend(task, q, keys, values, slots, positions, n_heads, out)
+
+
+@njit(inline="always", cache=True)
+def store_kv(k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
+             positions: np.ndarray) -> None:
+    """Row t's k, v at positions[t] of slot slots[t] of the cache (see attention)."""
     n_kv, hd = keys.shape[1], keys.shape[3]
-    group = n_heads // n_kv
-    scale = np.float32(1.0 / np.sqrt(hd))
     like_k, like_v = keys[0, 0, 0, 0], values[0, 0, 0, 0]
-    for t in range(n):
+    for t in range(k.shape[0]):
         for h in range(n_kv):
             # Through 1-D views, one array a loop: these vectorize (the 4-D stores had converted one value at
             # a time, 9 us for 8 tokens of F16 against 1).
@@ -244,67 +252,77 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
                 kd[d] = _stored_as(ks[d], like_k)
             for d in range(hd):
                 vd[d] = _stored_as(vs[d], like_v)
-    for task in prange(n_kv * n):
-        kv, t = task // n, task % n
-        slot, total = slots[t], positions[t] + 1
-        ks, vs = keys[slot, kv], values[slot, kv]
-        # Flat 1-D loops over views (as the stores above): 2-D indexing here had stayed scalar.
-        qg, qs = np.empty(group * hd, np.float32), q[t, kv * group * hd:(kv + 1) * group * hd]
-        for i in range(group * hd):
-            qg[i] = qs[i] * scale
-        scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
-        kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
-        # The next task's key and value rows (its first `total`: decoding sequences are about as long) are
-        # requested during this one's scores, so it starts from L2, not memory; unless it reads the same rows
-        # (a prompt's next token). A B=8 step at 48 positions on a Zen 5, one thread: attention 2.7-3.1 ->
-        # 2.3-2.5 ms; one sequence at 512 positions 2.6-2.8 -> 2.3-2.4 ms.
-        nxt = min(task + 1, n_kv * n - 1)
-        nks, nvs = keys[slots[nxt % n], nxt // n], values[slots[nxt % n], nxt // n]
-        other = nks.ctypes.data != ks.ctypes.data
-        for p in range(0, total, 2):
-            # Positions p, p + 1's value rows are requested into the caches now, with the key rows, so the
-            # values pass below reads them from cache, not memory (5-10 % less attention time at 1024
-            # positions); and the key rows _KEYS_AHEAD on, about 0.2 us of scores away (one row on was too
-            # near to hide a miss: a B=8 step at 48 positions on a Zen 5, one thread: attention 3.0-3.5 ->
-            # 2.4-2.9 ms; 16 on did as well).
-            for r in range(p, p + 2):
-                for c in range(0, hd * vs.itemsize, 64):
-                    prefetch_keep(vs.ctypes.data + r * vstride + c)
-                    prefetch_keep(ks.ctypes.data + (r + _KEYS_AHEAD) * kstride + c)
-                    if other:
-                        prefetch_keep(nks.ctypes.data + r * kstride + c)
-                        prefetch_keep(nvs.ctypes.data + r * vstride + c)
-            args = (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group,
-                    scores.ctypes.data + p * 4, sstride)
-            if p + 1 == total and ks.itemsize == 2:
-                _scores_half(*args)
-            elif p + 1 == total:
-                _scores_float(*args)
-            elif ks.itemsize == 2:
-                _scores2_half(*args)
-            else:
-                _scores2_float(*args)
-        inv = np.empty(group, np.float32)
-        for g in range(group):
-            sg = scores[g]
-            top = np.float32(-np.inf)
-            for p in range(total):
-                top = max(top, sg[p])
-            exp_shifted(sg, top, bits)
-            den = 0.0
-            for p in range(total):
-                den += sg[p]
-            inv[g] = np.float32(1.0 / den)
-        o = np.zeros((group, hd), np.float32)
-        for p0 in range(0, total, _SUM_BLOCK):
-            args = (vs.ctypes.data + p0 * vstride, vstride, min(_SUM_BLOCK, total - p0), hd,
-                    scores.ctypes.data + p0 * 4, sstride, group, o.ctypes.data, hd * 4)
-            if vs.itemsize == 2:
-                _wsum_half(*args)
-            else:
-                _wsum_float(*args)
-        dst = out[t, kv * group * hd:(kv + 1) * group * hd]
-        for g in range(group):
-            og, dg, ig = o[g], dst[g * hd:(g + 1) * hd], inv[g]
-            for d in range(hd):
-                dg[d] = og[d] * ig
+
+
+@njit(fastmath=True, cache=True)
+def attend(task: int, q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+           n_heads: int, out: np.ndarray) -> None:
+    """One task of attention (see there): row task % n, KV head task // n, with the query heads that share it.
+    A function of its own, called, not inlined: its fast-math flags stay its own in any caller."""
+    n = q.shape[0]
+    n_kv, hd = keys.shape[1], keys.shape[3]
+    group = n_heads // n_kv
+    scale = np.float32(1.0 / np.sqrt(hd))
+    kv, t = task // n, task % n
+    slot, total = slots[t], positions[t] + 1
+    ks, vs = keys[slot, kv], values[slot, kv]
+    # Flat 1-D loops over views (as the stores above): 2-D indexing here had stayed scalar.
+    qg, qs = np.empty(group * hd, np.float32), q[t, kv * group * hd:(kv + 1) * group * hd]
+    for i in range(group * hd):
+        qg[i] = qs[i] * scale
+    scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
+    kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
+    # The next task's key and value rows (its first `total`: decoding sequences are about as long) are
+    # requested during this one's scores, so it starts from L2, not memory; unless it reads the same rows
+    # (a prompt's next token). A B=8 step at 48 positions on a Zen 5, one thread: attention 2.7-3.1 ->
+    # 2.3-2.5 ms; one sequence at 512 positions 2.6-2.8 -> 2.3-2.4 ms.
+    nxt = min(task + 1, n_kv * n - 1)
+    nks, nvs = keys[slots[nxt % n], nxt // n], values[slots[nxt % n], nxt // n]
+    other = nks.ctypes.data != ks.ctypes.data
+    for p in range(0, total, 2):
+        # Positions p, p + 1's value rows are requested into the caches now, with the key rows, so the
+        # values pass below reads them from cache, not memory (5-10 % less attention time at 1024
+        # positions); and the key rows _KEYS_AHEAD on, about 0.2 us of scores away (one row on was too
+        # near to hide a miss: a B=8 step at 48 positions on a Zen 5, one thread: attention 3.0-3.5 ->
+        # 2.4-2.9 ms; 16 on did as well).
+        for r in range(p, p + 2):
+            for c in range(0, hd * vs.itemsize, 64):
+                prefetch_keep(vs.ctypes.data + r * vstride + c)
+                prefetch_keep(ks.ctypes.data + (r + _KEYS_AHEAD) * kstride + c)
+                if other:
+                    prefetch_keep(nks.ctypes.data + r * kstride + c)
+                    prefetch_keep(nvs.ctypes.data + r * vstride + c)
+        args = (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group,
+                scores.ctypes.data + p * 4, sstride)
+        if p + 1 == total and ks.itemsize == 2:
+            _scores_half(*args)
+        elif p + 1 == total:
+            _scores_float(*args)
+        elif ks.itemsize == 2:
+            _scores2_half(*args)
+        else:
+            _scores2_float(*args)
+    inv = np.empty(group, np.float32)
+    for g in range(group):
+        sg = scores[g]
+        top = np.float32(-np.inf)
+        for p in range(total):
+            top = max(top, sg[p])
+        exp_shifted(sg, top, bits)
+        den = 0.0
+        for p in range(total):
+            den += sg[p]
+        inv[g] = np.float32(1.0 / den)
+    o = np.zeros((group, hd), np.float32)
+    for p0 in range(0, total, _SUM_BLOCK):
+        args = (vs.ctypes.data + p0 * vstride, vstride, min(_SUM_BLOCK, total - p0), hd,
+                scores.ctypes.data + p0 * 4, sstride, group, o.ctypes.data, hd * 4)
+        if vs.itemsize == 2:
+            _wsum_half(*args)
+        else:
+            _wsum_float(*args)
+    dst = out[t, kv * group * hd:(kv + 1) * group * hd]
+    for g in range(group):
+        og, dg, ig = o[g], dst[g * hd:(g + 1) * hd], inv[g]
+        for d in range(hd):
+            dg[d] = og[d] * ig

@@ -102,6 +102,15 @@ class PackedTernary:
         return tuple(y[n * lo:n * hi].reshape(n, hi - lo) for lo, hi in zip(self.starts, ends, strict=True))
 
 
+def _one_region_attention(dim: int, qkv: Any, wo: Any, q_rows: int, kv_rows: int) -> bool:
+    """Whether attention_row_rowscale runs these: Q, K and V stacked in that order, wo back to dim columns wide, every
+    width whole blocks, a scale per row."""
+    return (isinstance(qkv, PackedTernary) and isinstance(wo, PackedTernary)
+            and qkv.starts == (0, q_rows, q_rows + kv_rows) and qkv.rows == q_rows + 2 * kv_rows
+            and qkv.row_scales is not None and wo.row_scales is not None
+            and qkv.cols == dim == wo.rows and wo.cols == q_rows)
+
+
 def _one_region_ffn(dim: int, gate_up: Any, down: Any) -> bool:
     """Whether ffn_row_rowscale runs these: gate and up stacked, the same height, down back to dim columns wide,
     every width whole blocks, a scale per row."""
@@ -217,6 +226,34 @@ class CpuProvider(ReferenceProvider):
             self.record("cpu.bitlinear_blockscale_row")
             y = self._tk.bitlinear_row_blockscale(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
         return w.split(y, len(x))
+
+    def attention_block(self, x: Any, norm: Any, qkv: Any, sub_norm: Any | None, wo: Any, cache: Any, layer: int,
+                        slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int,
+                        theta: float, eps: float, act_quant: str) -> Any:
+        """One token with a scale per weight row in one parallel region (int_kernels.attention_row_rowscale), as
+        `ffn`; anything else, or a subclass's own operations, one by one."""
+        q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
+        if not (self._attention_is_ours and len(x) == 1 and act_quant == "row"
+                and _one_region_attention(np.shape(x)[1], qkv, wo, q_rows, kv_rows)):
+            return super().attention_block(x, norm, qkv, sub_norm, wo, cache, layer, slots, positions, n_heads,
+                                           n_kv_heads, head_dim, theta, eps, act_quant)
+        self.record("cpu.attention_block_rowscale_row")
+        self._use_threads()
+        slots, positions = np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(positions, np.int32)
+        check_slots(cache, slots, positions, 1)
+        _, cos, sin = self._rope_angles(positions, head_dim, theta)
+        f32 = np.float32
+        sub = np.ascontiguousarray(sub_norm, f32) if sub_norm is not None else np.ones(1, f32)
+        return self._tk.attention_row_rowscale(
+            np.ascontiguousarray(x, f32), np.ascontiguousarray(norm, f32), sub, sub_norm is not None, float(eps),
+            qkv.tasks, qkv.bstride, qkv.row_scales, qkv.fields_reversed, q_rows, kv_rows, cos, sin,
+            _head_major(cache.k[layer]), _head_major(cache.v[layer]), slots, positions, n_heads, n_kv_heads,
+            head_dim, wo.tasks, wo.bstride, wo.row_scales, wo.fields_reversed, self.n_threads)
+
+    @functools.cached_property
+    def _attention_is_ours(self) -> bool:
+        return all(getattr(type(self), op) is getattr(CpuProvider, op)
+                   for op in ("rmsnorm", "bitlinear_group", "rope", "attention", "bitlinear", "add"))
 
     def ffn(self, x: Any, norm: Any, gate_up: Any, sub_norm: Any | None, down: Any, eps: float, act: str,
             act_quant: str) -> Any:
@@ -343,16 +380,18 @@ class CpuProvider(ReferenceProvider):
     def rope(self, x: Any, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Any:
         self.record("cpu.rope")
         x = np.ascontiguousarray(x, dtype=np.float32)
-        positions = np.ascontiguousarray(positions, np.int32)
-        # Every layer's Q and K turn by the same angles: computed once per forward pass (sin and cos
-        # were 0.3 ms of each of a 128-token prefill's 60 calls).
-        key = (positions.tobytes(), head_dim, float(theta))
-        table = self._rope
-        if table is None or table[0] != key:
-            table = self._rope = (key, *fk.rope_table(positions, head_dim, float(theta)))
+        _, cos, sin = self._rope_angles(np.ascontiguousarray(positions, np.int32), head_dim, theta)
         out = np.empty_like(x)
-        fk.rope(x, n_heads, head_dim, table[1], table[2], out)
+        fk.rope(x, n_heads, head_dim, cos, sin, out)
         return out
+
+    def _rope_angles(self, positions: np.ndarray, head_dim: int, theta: float) -> tuple[Any, np.ndarray, np.ndarray]:
+        """(key, cos, sin) of the positions. Every layer's Q and K turn by the same angles: computed once per
+        forward pass (sin and cos were 0.3 ms of each of a 128-token prefill's 60 calls)."""
+        key = (positions.tobytes(), head_dim, float(theta))
+        if self._rope is None or self._rope[0] != key:
+            self._rope = (key, *fk.rope_table(positions, head_dim, float(theta)))
+        return self._rope
 
     def add(self, a: Any, b: Any) -> Any:
         self.record("cpu.add")
