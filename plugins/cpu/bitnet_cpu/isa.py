@@ -125,8 +125,8 @@ def kernels(level: str) -> ModuleType:
 
 
 def build(level: str, cache: bool = True) -> ModuleType:
-    """A new instance of `int_kernels` for `level`; without `cache` it never touches the disk cache
-    (for kernels built from patched IR, as the tests do)."""
+    """A new instance of `int_kernels` (with `layer_regions`) for `level`; without `cache` it never touches the disk
+    cache (for kernels built from patched IR, as the tests do)."""
     level = choose(level)  # a name or alias the CPU runs, else the error that names what it runs
     directory = cache_dir(level) if cache else None
     name = f"bitnet_cpu.int_kernels_{level}" + ("" if cache else f"_uncached{next(_serial)}")
@@ -138,6 +138,8 @@ def build(level: str, cache: bool = True) -> ModuleType:
     announce_compiles()
     with _numba_cache_dir(directory):
         spec.loader.exec_module(mod)
+        regions = _HERE / "layer_regions.py"  # the template's second file (see there), in the same module
+        exec(compile(regions.read_text(), str(regions), "exec"), mod.__dict__)
     if directory is not None:
         from . import kernel_cache
 

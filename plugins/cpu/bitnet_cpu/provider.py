@@ -102,6 +102,14 @@ class PackedTernary:
         return tuple(y[n * lo:n * hi].reshape(n, hi - lo) for lo, hi in zip(self.starts, ends, strict=True))
 
 
+@functools.cache
+def _ours(cls: type, *ops: str) -> bool:
+    """Whether a layer half's operations (ops, and the RMSNorm, BitLinear and add both halves make) are CpuProvider's
+    own in cls: a region would bypass a subclass's."""
+    return all(getattr(cls, op) is getattr(CpuProvider, op)
+               for op in ("rmsnorm", "bitlinear_group", "bitlinear", "add", *ops))
+
+
 def _one_region_attention(dim: int, qkv: Any, wo: Any, q_rows: int, kv_rows: int) -> bool:
     """Whether attention_row_rowscale runs these: Q, K and V stacked in that order, wo back to dim columns wide, every
     width whole blocks, a scale per row."""
@@ -230,10 +238,10 @@ class CpuProvider(ReferenceProvider):
     def attention_block(self, x: Any, norm: Any, qkv: Any, sub_norm: Any | None, wo: Any, cache: Any, layer: int,
                         slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int,
                         theta: float, eps: float, act_quant: str) -> Any:
-        """One token with a scale per weight row in one parallel region (int_kernels.attention_row_rowscale), as
+        """One token with a scale per weight row in one parallel region (layer_regions.attention_row_rowscale), as
         `ffn`; anything else, or a subclass's own operations, one by one."""
         q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
-        if not (self._attention_is_ours and len(x) == 1 and act_quant == "row"
+        if not (_ours(type(self), "rope", "attention") and len(x) == 1 and act_quant == "row"
                 and _one_region_attention(np.shape(x)[1], qkv, wo, q_rows, kv_rows)):
             return super().attention_block(x, norm, qkv, sub_norm, wo, cache, layer, slots, positions, n_heads,
                                            n_kv_heads, head_dim, theta, eps, act_quant)
@@ -250,17 +258,12 @@ class CpuProvider(ReferenceProvider):
             _head_major(cache.k[layer]), _head_major(cache.v[layer]), slots, positions, n_heads, n_kv_heads,
             head_dim, wo.tasks, wo.bstride, wo.row_scales, wo.fields_reversed, self.n_threads)
 
-    @functools.cached_property
-    def _attention_is_ours(self) -> bool:
-        return all(getattr(type(self), op) is getattr(CpuProvider, op)
-                   for op in ("rmsnorm", "bitlinear_group", "rope", "attention", "bitlinear", "add"))
-
     def ffn(self, x: Any, norm: Any, gate_up: Any, sub_norm: Any | None, down: Any, eps: float, act: str,
             act_quant: str) -> Any:
         """One token with a scale per weight row ("row" quantization: I2_S, TQ2_0 with one scale a tensor) in one
-        parallel region (int_kernels.ffn_row_rowscale); anything else as the operations one by one, and so does a
+        parallel region (layer_regions.ffn_row_rowscale); anything else as the operations one by one, and so does a
         subclass that replaces one of them (its own act_mul, say), which the region would bypass."""
-        if not (self._ffn_is_ours and len(x) == 1 and act_quant == "row" and act in ACTIVATIONS
+        if not (_ours(type(self), "act_mul") and len(x) == 1 and act_quant == "row" and act in ACTIVATIONS
                 and _one_region_ffn(np.shape(x)[1], gate_up, down)):
             return super().ffn(x, norm, gate_up, sub_norm, down, eps, act, act_quant)
         self.record("cpu.ffn_rowscale_row")
@@ -271,11 +274,6 @@ class CpuProvider(ReferenceProvider):
             np.ascontiguousarray(x, f32), np.ascontiguousarray(norm, f32), sub, sub_norm is not None, float(eps),
             act == "relu2", gate_up.tasks, gate_up.bstride, gate_up.row_scales, gate_up.fields_reversed,
             gate_up.starts[1], down.tasks, down.bstride, down.row_scales, down.fields_reversed, self.n_threads)
-
-    @functools.cached_property
-    def _ffn_is_ours(self) -> bool:
-        return all(getattr(type(self), op) is getattr(CpuProvider, op)
-                   for op in ("rmsnorm", "bitlinear_group", "act_mul", "bitlinear", "add"))
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
         """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time.
