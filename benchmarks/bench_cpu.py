@@ -104,7 +104,7 @@ def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_hea
         tok = step([tok], pos)
     decode_s = time.perf_counter() - t0
     out = _finish(load_s, warm, n_prompt, prefill_s, n_decode, decode_s)
-    out["kernels"] = sorted(k for k in p.dispatches if "bitlinear" in k or "lm_head" in k or "ffn" in k)
+    out["kernels"] = sorted(k for k in p.dispatches if "bitlinear" in k or "lm_head" in k or "layer_stack" in k)
     eng.close()
     return out
 

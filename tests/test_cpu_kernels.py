@@ -17,7 +17,7 @@ from cpu_support import REF, one_by_one, provider, rel_err
 from bitnet.modelfile import formats
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
-from bitnet.runtime.provider import KernelProvider
+from bitnet.runtime.provider import KernelProvider, LayerWeights
 from bitnet.runtime.reference import q8_table
 from bitnet_cpu import dot_ir, isa
 from bitnet_cpu.dot_ir import GROUP, TILE, WIDE
@@ -198,75 +198,83 @@ def test_a_group_runs_in_one_call_as_its_projections_would(cpu: CpuProvider, mod
             np.testing.assert_array_equal(y, cpu.bitlinear(x[rows], cpu.upload_ternary(w), mode))
 
 
-@pytest.mark.parametrize("act", ["relu2", "silu"])
-@pytest.mark.parametrize("sub", [True, False], ids=["sub_norm", "no_sub_norm"])
-@pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
-def test_one_tokens_ffn_runs_in_one_region_as_its_operations_would(cpu: CpuProvider, act: str, sub: bool,
-                                                                   layout: str) -> None:
-    # gate/up 2 x 768 rows (24 tasks), down 512 rows (8 tasks): both threads claim from both shares.
-    rng = np.random.default_rng(17)
-    dim, hidden = 512, 768
-    gate_up = cpu.upload_ternary_group([file_layout(rng, ternary(rng, hidden, dim, False), layout) for _ in "gu"])
-    down = cpu.upload_ternary(file_layout(rng, ternary(rng, dim, hidden, False), layout))
-    norm, sub_norm = rng.uniform(0.5, 1.5, dim).astype(np.float32), rng.uniform(0.5, 1.5, hidden).astype(np.float32)
-    x = (rng.standard_normal((3, dim)) * rng.uniform(0.1, 10, (3, 1))).astype(np.float32)
-    args = (norm, gate_up, sub_norm if sub else None, down, 1e-5, act)
-    for rows in (slice(0, 1), slice(2, 3), slice(0, 3)):
-        fused = cpu.dispatches["cpu.ffn_rowscale_row"]
-        got = cpu.ffn(x[rows], *args, "row")
-        assert cpu.dispatches["cpu.ffn_rowscale_row"] == fused + (rows.stop - rows.start == 1)
-        np.testing.assert_array_equal(got, KernelProvider.ffn(cpu, x[rows], *args, "row"))
-    np.testing.assert_array_equal(cpu.ffn(x[2:3], *args, "row"), cpu.ffn(x, *args, "row")[2:3])  # batch invariant
-    for mode in ("block256", "none"):  # other quantizations run as the operations
-        fused = cpu.dispatches["cpu.ffn_rowscale_row"]
-        got = cpu.ffn(x[:1], *args, mode)
-        assert cpu.dispatches["cpu.ffn_rowscale_row"] == fused
-        np.testing.assert_array_equal(got, KernelProvider.ffn(cpu, x[:1], *args, mode))
+def layer_stack(cpu: CpuProvider, rng: np.random.Generator, n_layers: int, layout: str, sub: bool,
+                block_scales: bool = False) -> list[LayerWeights]:
+    """n_layers layers as 2B-4T's, narrower: dim 512, 4 query heads over 2 KV heads of 128, FFN 768 (gate/up 24
+    tasks, down 8: both threads claim from both shares), weights in a file layout."""
+    def w(rows: int, cols: int) -> TernaryMatrix:
+        return file_layout(rng, ternary(rng, rows, cols, block_scales), layout)
+
+    def norm(n: int) -> np.ndarray:
+        return rng.uniform(0.5, 1.5, n).astype(np.float32)
+
+    return [LayerWeights(norm(512), cpu.upload_ternary_group([w(512, 512), w(256, 512), w(256, 512)]),
+                         cpu.upload_ternary(w(512, 512)), norm(512) if sub else None, norm(512),
+                         cpu.upload_ternary_group([w(768, 512), w(768, 512)]), cpu.upload_ternary(w(512, 768)),
+                         norm(768) if sub else None)
+            for _ in range(n_layers)]
+
+
+def run_stack(cpu: CpuProvider, layers: list[LayerWeights], x: np.ndarray, cache: object, pos0: int,
+              act: str, own: bool = True) -> np.ndarray:
+    """x's rows as one sequence (slot 1) at positions pos0.. through the stack: the provider's, or the composition."""
+    run = cpu.layer_stack if own else lambda *a: KernelProvider.layer_stack(cpu, *a)
+    n = len(x)
+    return run(x, layers, cache, np.full(n, 1, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32), 4, 2, 128,
+               10000.0, 1e-5, act, "row")
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
-@pytest.mark.parametrize("sub", [True, False], ids=["sub_norm", "no_sub_norm"])
+@pytest.mark.parametrize("sub,act", [(True, "relu2"), (False, "silu")], ids=["sub_norm_relu2", "silu"])
 @pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
-def test_one_tokens_attention_runs_in_one_region_as_its_operations_would(cpu: CpuProvider, kv_type: str, sub: bool,
-                                                                         layout: str) -> None:
-    # 4 query heads over 2 KV heads of 128; slot 1 holds 5 positions when the token at position 5 arrives.
+def test_one_tokens_layers_run_in_one_region_as_their_operations_would(cpu: CpuProvider, kv_type: str, sub: bool,
+                                                                       act: str, layout: str) -> None:
     rng = np.random.default_rng(23)
-    dim, n_heads, n_kv, hd = 512, 4, 2, 128
-    qkv = cpu.upload_ternary_group([file_layout(rng, ternary(rng, rows, dim, False), layout)
-                                    for rows in (n_heads * hd, n_kv * hd, n_kv * hd)])
-    wo = cpu.upload_ternary(file_layout(rng, ternary(rng, dim, n_heads * hd, False), layout))
-    norm, sub_norm = (rng.uniform(0.5, 1.5, n).astype(np.float32) for n in (dim, n_heads * hd))
-    x = (rng.standard_normal((6, dim)) * 3).astype(np.float32)
-    caches = [cpu.kv_cache(1, 16, n_kv, hd, 2, kv_type) for _ in "ab"]
-    shape = (n_heads, n_kv, hd, 10000.0, 1e-5, "row")
-
-    def block(c: object, rows: slice, own: bool) -> np.ndarray:
-        run = cpu.attention_block if own else lambda *a: KernelProvider.attention_block(cpu, *a)
-        n = rows.stop - rows.start
-        return run(x[rows], norm, qkv, sub_norm if sub else None, wo, c, 0, np.full(n, 1, np.int32),
-                   np.arange(rows.start, rows.stop, dtype=np.int32), *shape)
-
+    layers = layer_stack(cpu, rng, 3, layout, sub)
+    x = (rng.standard_normal((8, 512)) * 3).astype(np.float32)
+    caches = [cpu.kv_cache(3, 16, 2, 128, 2, kv_type) for _ in "ab"]
     for c in caches:
-        block(c, slice(0, 5), own=True)  # a prompt: the operations one by one
-    fused = cpu.dispatches["cpu.attention_block_rowscale_row"]
-    got, want = block(caches[0], slice(5, 6), own=True), block(caches[1], slice(5, 6), own=False)
-    assert cpu.dispatches["cpu.attention_block_rowscale_row"] == fused + 1
-    np.testing.assert_array_equal(got, want)
-    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
-        np.testing.assert_array_equal(a, b)
-    assert np.any(caches[0].k[0, 1, 5] != 0)  # the token's K was stored
+        run_stack(cpu, layers, x[:5], c, 0, act)  # a prompt: the operations one by one
+    assert "cpu.layer_stack_rowscale_row" not in cpu.dispatches
+    for pos in (5, 6):  # two decode steps, each layer's K and V stored at its position
+        got = run_stack(cpu, layers, x[pos:pos + 1], caches[0], pos, act)
+        want = run_stack(cpu, layers, x[pos:pos + 1], caches[1], pos, act, own=False)
+        assert cpu.dispatches["cpu.layer_stack_rowscale_row"] == pos - 4
+        np.testing.assert_array_equal(got, want)
+        for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+            np.testing.assert_array_equal(a, b)
+    assert np.all(np.any(caches[0].k[:, 1, 6] != 0, axis=(1, 2)))  # every layer stored the last token's K
+    for mode in ("block256", "none"):  # other quantizations run as the operations
+        got, want = (run(x[7:], layers, c, np.ones(1, np.int32), np.full(1, 7, np.int32), 4, 2, 128, 10000.0, 1e-5,
+                         act, mode)
+                     for run, c in ((cpu.layer_stack, caches[0]),
+                                    (lambda *a: KernelProvider.layer_stack(cpu, *a), caches[1])))
+        assert cpu.dispatches["cpu.layer_stack_rowscale_row"] == 2
+        np.testing.assert_array_equal(got, want)
 
 
-def test_an_ffn_with_a_scale_per_block_runs_as_its_operations() -> None:
-    cpu = provider(2, LEVELS[0])
-    rng = np.random.default_rng(19)
-    gate_up = cpu.upload_ternary_group([ternary(rng, 256, 512, True) for _ in "gu"])
-    down = cpu.upload_ternary(ternary(rng, 512, 256, True))  # (one block a row: a scale per row)
-    assert gate_up.row_scales is None and down.row_scales is not None
-    args = (np.ones(512, np.float32), gate_up, None, down, 1e-5, "silu", "row")
+def test_layers_the_region_cannot_run_run_as_their_operations() -> None:
+    cpu, rng = provider(2, LEVELS[0]), np.random.default_rng(19)
+    per_block = layer_stack(cpu, rng, 2, "tq2_0", True, block_scales=True)
+    mixed = layer_stack(cpu, rng, 2, "tq2_0", True)
+    mixed[1].attn_sub_norm = None  # one layer without its sub-norms: not every layer alike
     x = rng.standard_normal((1, 512)).astype(np.float32)
-    np.testing.assert_array_equal(cpu.ffn(x, *args), KernelProvider.ffn(cpu, x, *args))
-    assert "cpu.ffn_rowscale_row" not in cpu.dispatches
+    for layers in (per_block, mixed):
+        caches = [cpu.kv_cache(2, 16, 2, 128, 2) for _ in "ab"]
+        np.testing.assert_array_equal(run_stack(cpu, layers, x, caches[0], 0, "silu"),
+                                      run_stack(cpu, layers, x, caches[1], 0, "silu", own=False))
+    assert "cpu.layer_stack_rowscale_row" not in cpu.dispatches
+
+    class OwnActivation(CpuProvider):  # a subclass's own operation: the region would bypass it
+        def act_mul(self, gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
+            return super().act_mul(gate, up, act) * np.float32(2)
+
+    own = OwnActivation(n_threads=2, isa=LEVELS[0])
+    layers = layer_stack(own, np.random.default_rng(19), 2, "tq2_0", True)
+    caches = [own.kv_cache(2, 16, 2, 128, 2) for _ in "ab"]
+    np.testing.assert_array_equal(run_stack(own, layers, x, caches[0], 0, "silu"),
+                                  run_stack(own, layers, x, caches[1], 0, "silu", own=False))
+    assert "cpu.layer_stack_rowscale_row" not in own.dispatches
 
 
 @pytest.mark.parametrize("mode", ["row", "block256", "none"])

@@ -20,6 +20,7 @@ _LAZY = {
     "Device": "plugins.types",
     "ProbeResult": "plugins.types",
     "KernelProvider": "runtime.provider",
+    "LayerWeights": "runtime.provider",
     "select": "plugins.selection",
 }
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import mmap
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,20 @@ OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "
 LM_HEADS = ("f16", "q8", "auto")
 # What the KV cache stores (docs/design.md section 4): float32, or F16 as llama.cpp keeps it by default.
 KV_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
+
+
+@dataclass
+class LayerWeights:
+    """One layer's weights as provider handles (sub-norms are None when a model lacks them)."""
+
+    attn_norm: Any
+    qkv: Any  # wq, wk, wv as one group (they read the same input)
+    wo: Any
+    attn_sub_norm: Any
+    ffn_norm: Any
+    gate_up: Any  # w_gate, w_up as one group
+    w_down: Any
+    ffn_sub_norm: Any
 
 
 def kv_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -174,6 +190,18 @@ class KernelProvider(ABC):
         """bitlinear(x, w, act_quant) for each projection w of an uploaded group, in order: the same
         results, to the bit, however a provider runs them (one quantization of x, one dispatch)."""
         return tuple(self.bitlinear(x, w, act_quant) for w in group)
+
+    def layer_stack(self, x: Any, layers: Sequence[LayerWeights], cache: Any, slots: np.ndarray,
+                    positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int, theta: float, eps: float,
+                    act: str, act_quant: str) -> Any:
+        """Every layer in turn, layer i's K and V in the cache's layer i: attention_block then ffn of each. These
+        operations in this order, as those two are: a provider that runs the stack otherwise (one dispatch for a
+        decode step's token, say) must give the same bits and the same cache."""
+        for i, w in enumerate(layers):
+            x = self.attention_block(x, w.attn_norm, w.qkv, w.attn_sub_norm, w.wo, cache, i, slots, positions,
+                                     n_heads, n_kv_heads, head_dim, theta, eps, act_quant)
+            x = self.ffn(x, w.ffn_norm, w.gate_up, w.ffn_sub_norm, w.w_down, eps, act, act_quant)
+        return x
 
     def attention_block(self, x: Any, norm: Any, qkv: Any, sub_norm: Any | None, wo: Any, cache: Any, layer: int,
                         slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,26 +15,13 @@ from bitnet.runtime.provider import (
     ACTIVATIONS,
     OPERATIONS,
     KernelProvider,
+    LayerWeights,
     check_kv_type,
     native_operations,
 )
 
 if TYPE_CHECKING:
     from bitnet.modelfile.model import Model
-
-
-@dataclass
-class _Layer:
-    """One layer's weights as provider handles (sub-norms are None when a model lacks them)."""
-
-    attn_norm: Any
-    qkv: Any  # wq, wk, wv as one group (they read the same input)
-    wo: Any
-    attn_sub_norm: Any
-    ffn_norm: Any
-    gate_up: Any  # w_gate, w_up as one group
-    w_down: Any
-    ffn_sub_norm: Any
 
 
 class Transformer:
@@ -86,9 +73,9 @@ class Transformer:
 
         groups = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w_gate", "w_up")}
 
-        def layer(lw: Any) -> _Layer:
-            return _Layer(**{f.name: p.upload_ternary_group([getattr(lw, k) for k in groups[f.name]])
-                             if f.name in groups else upload(getattr(lw, f.name)) for f in fields(_Layer)})
+        def layer(lw: Any) -> LayerWeights:
+            return LayerWeights(**{f.name: p.upload_ternary_group([getattr(lw, k) for k in groups[f.name]])
+                                   if f.name in groups else upload(getattr(lw, f.name)) for f in fields(LayerWeights)})
 
         self.layers = [layer(lw) for lw in model.layers]
         self.cache = kv_cache_for(p, cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, n_seqs, kv_type)
@@ -137,10 +124,8 @@ class Transformer:
         self._check_batch(ids, slots, positions, rows)
         eps, hd, aq = cfg.rms_eps, cfg.head_dim, self.act_quant
         x = p.embed(self.token_embd, ids)
-        for i, L in enumerate(self.layers):
-            x = p.attention_block(x, L.attn_norm, L.qkv, L.attn_sub_norm, L.wo, self.cache, i, slots, positions,
-                                  cfg.n_heads, cfg.n_kv_heads, hd, cfg.rope_theta, eps, aq)
-            x = p.ffn(x, L.ffn_norm, L.gate_up, L.ffn_sub_norm, L.w_down, eps, cfg.activation, aq)
+        x = p.layer_stack(x, self.layers, self.cache, slots, positions, cfg.n_heads, cfg.n_kv_heads, hd,
+                          cfg.rope_theta, eps, cfg.activation, aq)
         ends = np.r_[np.flatnonzero(slots[1:] != slots[:-1]), n - 1]  # each sequence's last row
         self.filled[slots[ends]] = positions[ends] + 1  # a sequence that rewound no longer owns what follows
         if len(rows) == 0:

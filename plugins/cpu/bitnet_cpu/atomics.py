@@ -1,5 +1,5 @@
 """Atomic int64 counters and a spin hint for kernels whose threads share one parallel region and hand
-work to each other inside it (see layer_regions.ffn_row_rowscale): numba has no atomics of its own, so
+work to each other inside it (see layer_regions.layers_row_rowscale): numba has no atomics of its own, so
 these are LLVM's, sequentially consistent, on an element of an int64 array."""
 
 from __future__ import annotations

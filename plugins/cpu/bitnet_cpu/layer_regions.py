@@ -1,10 +1,12 @@
-"""One decode token's layer halves, each in one parallel region ("row" quantization, a scale per weight row):
-the CPU plugin's `ffn` and `attention_block`.
+"""One decode token's pass through every layer in one parallel region ("row" quantization, a scale per weight
+row): the CPU plugin's `layer_stack`.
 
-A decode step made 14 calls from Python a layer (RMSNorm, Q/K/V, two ropes, attention, sub-norm, wo, add; RMSNorm,
-gate/up, act, sub-norm, down, add), five of them parallel loops; here each half's threads stay in one region and
-hand the work on through atomic counters. On the Zen 5 EPYC, 30 layers' FFN took 6.25 ms against 7.35 as calls on
-2 threads, 10.4 against 11.7 on 1; a decode step with both halves 14.6-14.8 ms against 15.9-16.6 on 2 threads.
+A decode step had made 14 calls from Python a layer (RMSNorm, Q/K/V, two ropes, attention, sub-norm, wo, add;
+RMSNorm, gate/up, act, sub-norm, down, add), five of them parallel loops. Here the threads enter one region for the
+whole stack and hand the work on through atomic counters: no fork, join or Python between two projections.
+- One region per layer half (session 38) had already made a 2-thread step on the Zen 5 EPYC 14.6-14.8 ms against
+  15.9-16.6 as calls. Timestamps in that attention region showed where the rest of a half's 100 us went beside its
+  two projections: 6-13 us before both threads were in (TBB's fork), 4 us in the join, 4-5 in Python around it.
 
 This file is the second half of the per-level template `int_kernels`: `isa.build` runs it in the same module,
 after int_kernels.py, so the names below that it does not define (the drivers `_row_sums`, `quantize_rows`,
@@ -93,111 +95,129 @@ def _quantize(x: np.ndarray, rev: bool, q: np.ndarray, s: np.ndarray, qsum: np.n
 
 
 @njit(inline="always", cache=CACHE)
-def _plus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """x [1, n] + y [n], float32: the residual's add (a plain loop, as _counters)."""
-    out = np.empty_like(x)
+def _wait(ctrl: np.ndarray, i: int) -> None:
+    while atomics.load(ctrl, i) == 0:
+        atomics.pause()
+
+
+@njit(inline="always", cache=CACHE)
+def _last(ctrl: np.ndarray, i: int, ran: int, total: int) -> bool:
+    """Whether this thread, having run `ran` of a phase's `total` tasks, ran its last one (counted at ctrl[i])."""
+    return ran > 0 and atomics.fetch_add(ctrl, i, ran) + ran == total
+
+
+@njit(inline="always", cache=CACHE)
+def _add(x: np.ndarray, y: np.ndarray) -> None:
+    """x [1, n] += y [n], float32: the residual's add, in place (a plain loop, as _counters)."""
     for i in range(x.shape[1]):
-        out[0, i] = x[0, i] + y[i]
-    return out
+        x[0, i] += y[i]
+
+
+# Each layer's counters, _PART int64s apart: phases done, flags ("the next phase's input is ready"), the next
+# attention head; then the share counters of its four projections (Q/K/V, wo, gate/up, down), n_parts each.
+_QKV_DONE, _KV_STORED, _HEADS_DONE, _WO_IN, _NEXT_HEAD, _WO_DONE, _GU_IN, _GU_DONE, _DOWN_IN, _DOWN_DONE = range(10)
+_LAYER_OUT = 10  # the layer's output is in x and the next layer's Q/K/V input is ready
+_SHARES = 11
 
 
 @njit(parallel=True, cache=CACHE, error_model="numpy")
-def ffn_row_rowscale(x: np.ndarray, norm: np.ndarray, sub_norm: np.ndarray, has_sub: bool, eps: float, relu2: bool,
-                     gu_tasks: np.ndarray, gu_bstride: int, gu_scale: np.ndarray, gu_rev: bool, hidden: int,
-                     d_tasks: np.ndarray, d_bstride: int, d_scale: np.ndarray, d_rev: bool,
-                     n_parts: int) -> np.ndarray:
-    """x [1, dim] + down(sub_norm(act(gate) * up)), gate and up of rmsnorm(x, norm): the provider's calls'
-    operations in their order, to the bit. gate/up is one stack (gate's `hidden` rows, then up's).
+def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarray, ffn_norm: np.ndarray,
+                        ffn_sub: np.ndarray, has_attn_sub: bool, has_ffn_sub: bool, eps: float, relu2: bool,
+                        qkv_tasks: np.ndarray, qkv_bstride: int, qkv_scale: np.ndarray, qkv_rev: bool,
+                        wo_tasks: np.ndarray, wo_bstride: int, wo_scale: np.ndarray, wo_rev: bool,
+                        gu_tasks: np.ndarray, gu_bstride: int, gu_scale: np.ndarray, gu_rev: bool,
+                        d_tasks: np.ndarray, d_bstride: int, d_scale: np.ndarray, d_rev: bool,
+                        q_rows: int, kv_rows: int, hidden: int, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
+                        values: np.ndarray, slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int,
+                        head_dim: int, n_parts: int) -> np.ndarray:
+    """x [1, dim] through every layer l: x += wo(sub_norm(attention(rope(q), rope(k), v))), q, k, v of
+    rmsnorm(x, attn_norm[l]) (one stack, in that order), k and v stored in the cache's layer l first; then
+    x += down(sub_norm(act(gate) * up)), gate and up of rmsnorm(x, ffn_norm[l]). The provider's operations in
+    their order, to the bit. Per layer, a projection's arrays are [l] of these ([layers, tasks, 6] tasks,
+    [layers, rows] scales); keys and values are the cache [layers, n_seqs, n_kv_heads, n_ctx, head_dim].
 
-    n_parts threads enter one region. Each claims gate/up tasks (`_claimed_tasks`); whoever finishes the last
-    one computes the activation, the sub-norm and the down projection's quantized input, then raises a
-    flag the others wait on, and all claim the down tasks. A thread that arrives late finds less (or
-    nothing) to claim, and one that never arrives is not waited for, so a busy co-tenant costs what it
-    costs TBB's calls: a thread only waits for work another has claimed.
+    n_parts threads enter one region. In each of a layer's five phases (Q/K/V's tasks, the KV heads'
+    attention, wo's tasks, gate/up's, down's) they claim tasks through counters (`_claimed_tasks`); whoever
+    finishes a phase's last task does the serial step that follows (rope and the cache's stores; sub-norm and
+    wo's input; the residual add, RMSNorm and gate/up's input; act, sub-norm and down's input; the add and the
+    next layer's input), then raises a flag the others wait on. A thread that arrives late finds less (or
+    nothing) to claim, and one that never arrives is not waited for, so a busy co-tenant costs what it costs
+    TBB's calls: a thread only waits for work another has claimed. Each buffer is rewritten only by a serial
+    step after every task that read it is done.
     """
-    dim = x.shape[1]
-    m = np.empty_like(x)
-    fk.rmsnorm(x, norm, eps, m)
-    q1, s1, qsum1, qtot1 = _activations(dim)
-    _quantize(m, gu_rev, q1, s1, qsum1, qtot1)
-    gu, f = np.empty(2 * hidden, np.float32), np.empty((1, hidden), np.float32)
-    normed = np.empty((1, hidden), np.float32) if has_sub else f
-    q2, s2, qsum2, qtot2 = _activations(hidden)
-    down = np.empty(dim, np.float32)
-    # [0]: gate/up tasks done; [_PART]: the down projection's input is ready; then each share's next task.
-    ctrl = _counters(_PART * (2 + 2 * n_parts))
-    gu_base, d_base = 2 * _PART, (2 + n_parts) * _PART
-    rows = _most_rows(gu_tasks, d_tasks)
-    for part in prange(n_parts):
-        isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, rows), np.int32)
-        ran = _claimed_tasks(part, n_parts, ctrl, gu_base, gu_tasks, dim // BLOCK, gu_bstride, q1, qtot1[0],
-                         s1, gu_scale, gu, isum, acc)
-        if ran and atomics.fetch_add(ctrl, 0, ran) + ran == len(gu_tasks):
-            fk.act_mul(gu[:hidden].reshape((1, hidden)), gu[hidden:].reshape((1, hidden)), relu2, f)
-            if has_sub:
-                fk.rmsnorm(f, sub_norm, eps, normed)
-            _quantize(normed, d_rev, q2, s2, qsum2, qtot2)
-            atomics.store(ctrl, _PART, 1)
-        while atomics.load(ctrl, _PART) == 0:
-            atomics.pause()
-        _claimed_tasks(part, n_parts, ctrl, d_base, d_tasks, hidden // BLOCK, d_bstride, q2, qtot2[0], s2, d_scale,
-                   down, isum, acc)
-    return _plus(x, down)
-
-
-@njit(parallel=True, cache=CACHE, error_model="numpy")
-def attention_row_rowscale(x: np.ndarray, norm: np.ndarray, sub_norm: np.ndarray, has_sub: bool, eps: float,
-                           qkv_tasks: np.ndarray, qkv_bstride: int, qkv_scale: np.ndarray, qkv_rev: bool, q_rows: int,
-                           kv_rows: int, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                           slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int,
-                           wo_tasks: np.ndarray, wo_bstride: int, wo_scale: np.ndarray, wo_rev: bool,
-                           n_parts: int) -> np.ndarray:
-    """x [1, dim] + wo(sub_norm(attention(rope(q), rope(k), v))), q, k, v of rmsnorm(x, norm) (one stack, in that
-    order), k and v stored in the cache at the token's position first: the provider's calls' operations in their
-    order, to the bit, in one parallel region as ffn_row_rowscale's (three phases: Q/K/V's tasks, the KV heads'
-    attention tasks, wo's; between them whoever finishes a phase's last task does the rope and the cache's
-    stores, then the sub-norm and wo's quantized input)."""
-    dim = x.shape[1]
-    h = np.empty_like(x)
-    fk.rmsnorm(x, norm, eps, h)
-    q1, s1, qsum1, qtot1 = _activations(dim)
-    _quantize(h, qkv_rev, q1, s1, qsum1, qtot1)
+    n_layers, dim = qkv_tasks.shape[0], x.shape[1]
+    xs, h = np.empty_like(x), np.empty_like(x)
+    for i in range(dim):  # (a plain loop, as _counters)
+        xs[0, i] = x[0, i]
+    qd, sd, qsumd, qtotd = _activations(dim)  # Q/K/V's input, then gate/up's
+    fk.rmsnorm(xs, attn_norm[0], eps, h)
+    _quantize(h, qkv_rev, qd, sd, qsumd, qtotd)
     qkv = np.empty(q_rows + 2 * kv_rows, np.float32)
     q_roped, k_roped = np.empty((1, q_rows), np.float32), np.empty((1, kv_rows), np.float32)
     a = np.empty((1, q_rows), np.float32)
-    normed = np.empty((1, q_rows), np.float32) if has_sub else a
-    q2, s2, qsum2, qtot2 = _activations(q_rows)
+    a_normed = np.empty((1, q_rows), np.float32) if has_attn_sub else a
+    qo, so, qsumo, qtoto = _activations(q_rows)
     attended = np.empty(dim, np.float32)
-    # [0] Q/K/V tasks done, [_PART] K, V stored; [2 _PART] heads done, [3 _PART] wo's input ready; [4 _PART] the
-    # next head; then each share's next Q/K/V task, then wo's.
-    ctrl = _counters(_PART * (5 + 2 * n_parts))
-    qkv_base, wo_base = 5 * _PART, (5 + n_parts) * _PART
-    rows = _most_rows(qkv_tasks, wo_tasks)
+    gu = np.empty(2 * hidden, np.float32)
+    f = np.empty((1, hidden), np.float32)
+    f_normed = np.empty((1, hidden), np.float32) if has_ffn_sub else f
+    qf, sf, qsumf, qtotf = _activations(hidden)
+    down = np.empty(dim, np.float32)
+    per_layer = _PART * (_SHARES + 4 * n_parts)
+    ctrl = _counters(per_layer * n_layers)
+    rows = max(_most_rows(qkv_tasks[0], wo_tasks[0]), _most_rows(gu_tasks[0], d_tasks[0]))
     for part in prange(n_parts):
         isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, rows), np.int32)
-        ran = _claimed_tasks(part, n_parts, ctrl, qkv_base, qkv_tasks, dim // BLOCK, qkv_bstride, q1, qtot1[0], s1,
-                         qkv_scale, qkv, isum, acc)
-        if ran and atomics.fetch_add(ctrl, 0, ran) + ran == len(qkv_tasks):
-            fk.rope(qkv[:q_rows].reshape((1, q_rows)), n_heads, head_dim, cos, sin, q_roped)
-            fk.rope(qkv[q_rows:q_rows + kv_rows].reshape((1, kv_rows)), n_kv_heads, head_dim, cos, sin, k_roped)
-            attn.store_kv(k_roped, qkv[q_rows + kv_rows:].reshape((1, kv_rows)), keys, values, slots, positions)
-            atomics.store(ctrl, _PART, 1)
-        while atomics.load(ctrl, _PART) == 0:
-            atomics.pause()
-        ran = 0
-        while True:
-            head = atomics.fetch_add(ctrl, 4 * _PART, 1)
-            if head >= n_kv_heads:
-                break
-            attn.attend(head, q_roped, keys, values, slots, positions, n_heads, a)
-            ran += 1
-        if ran and atomics.fetch_add(ctrl, 2 * _PART, ran) + ran == n_kv_heads:
-            if has_sub:
-                fk.rmsnorm(a, sub_norm, eps, normed)
-            _quantize(normed, wo_rev, q2, s2, qsum2, qtot2)
-            atomics.store(ctrl, 3 * _PART, 1)
-        while atomics.load(ctrl, 3 * _PART) == 0:
-            atomics.pause()
-        _claimed_tasks(part, n_parts, ctrl, wo_base, wo_tasks, q_rows // BLOCK, wo_bstride, q2, qtot2[0], s2, wo_scale,
-                   attended, isum, acc)
-    return _plus(x, attended)
+        for layer in range(n_layers):
+            c = layer * per_layer
+            share = c + _PART * _SHARES
+            if layer > 0:
+                _wait(ctrl, c - per_layer + _PART * _LAYER_OUT)
+            ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], dim // BLOCK, qkv_bstride, qd,
+                                 qtotd[0], sd, qkv_scale[layer], qkv, isum, acc)
+            if _last(ctrl, c + _PART * _QKV_DONE, ran, len(qkv_tasks[layer])):
+                fk.rope(qkv[:q_rows].reshape((1, q_rows)), n_heads, head_dim, cos, sin, q_roped)
+                fk.rope(qkv[q_rows:q_rows + kv_rows].reshape((1, kv_rows)), n_kv_heads, head_dim, cos, sin, k_roped)
+                attn.store_kv(k_roped, qkv[q_rows + kv_rows:].reshape((1, kv_rows)), keys[layer], values[layer],
+                              slots, positions)
+                atomics.store(ctrl, c + _PART * _KV_STORED, 1)
+            _wait(ctrl, c + _PART * _KV_STORED)
+            ran = 0
+            while True:
+                head = atomics.fetch_add(ctrl, c + _PART * _NEXT_HEAD, 1)
+                if head >= n_kv_heads:
+                    break
+                attn.attend(head, q_roped, keys[layer], values[layer], slots, positions, n_heads, a)
+                ran += 1
+            if _last(ctrl, c + _PART * _HEADS_DONE, ran, n_kv_heads):
+                if has_attn_sub:
+                    fk.rmsnorm(a, attn_sub[layer], eps, a_normed)
+                _quantize(a_normed, wo_rev, qo, so, qsumo, qtoto)
+                atomics.store(ctrl, c + _PART * _WO_IN, 1)
+            _wait(ctrl, c + _PART * _WO_IN)
+            ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], q_rows // BLOCK,
+                                 wo_bstride, qo, qtoto[0], so, wo_scale[layer], attended, isum, acc)
+            if _last(ctrl, c + _PART * _WO_DONE, ran, len(wo_tasks[layer])):
+                _add(xs, attended)
+                fk.rmsnorm(xs, ffn_norm[layer], eps, h)
+                _quantize(h, gu_rev, qd, sd, qsumd, qtotd)
+                atomics.store(ctrl, c + _PART * _GU_IN, 1)
+            _wait(ctrl, c + _PART * _GU_IN)
+            ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], dim // BLOCK,
+                                 gu_bstride, qd, qtotd[0], sd, gu_scale[layer], gu, isum, acc)
+            if _last(ctrl, c + _PART * _GU_DONE, ran, len(gu_tasks[layer])):
+                fk.act_mul(gu[:hidden].reshape((1, hidden)), gu[hidden:].reshape((1, hidden)), relu2, f)
+                if has_ffn_sub:
+                    fk.rmsnorm(f, ffn_sub[layer], eps, f_normed)
+                _quantize(f_normed, d_rev, qf, sf, qsumf, qtotf)
+                atomics.store(ctrl, c + _PART * _DOWN_IN, 1)
+            _wait(ctrl, c + _PART * _DOWN_IN)
+            ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], hidden // BLOCK,
+                                 d_bstride, qf, qtotf[0], sf, d_scale[layer], down, isum, acc)
+            if _last(ctrl, c + _PART * _DOWN_DONE, ran, len(d_tasks[layer])):
+                _add(xs, down)
+                if layer + 1 < n_layers:
+                    fk.rmsnorm(xs, attn_norm[layer + 1], eps, h)
+                    _quantize(h, qkv_rev, qd, sd, qsumd, qtotd)
+                atomics.store(ctrl, c + _PART * _LAYER_OUT, 1)
+    return xs

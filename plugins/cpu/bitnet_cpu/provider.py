@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from bitnet.errors import UsageError
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime import q8_cache
-from bitnet.runtime.provider import ACTIVATIONS, KV_DTYPES, kv_zeros
+from bitnet.runtime.provider import ACTIVATIONS, KV_DTYPES, LayerWeights, kv_zeros
 from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots, quantize_rows
 
 from . import attention as attn
@@ -104,15 +105,15 @@ class PackedTernary:
 
 @functools.cache
 def _ours(cls: type, *ops: str) -> bool:
-    """Whether a layer half's operations (ops, and the RMSNorm, BitLinear and add both halves make) are CpuProvider's
-    own in cls: a region would bypass a subclass's."""
+    """Whether a layer's operations (ops, and the RMSNorm, BitLinear and add both halves make) are CpuProvider's own
+    in cls: the region would bypass a subclass's."""
     return all(getattr(cls, op) is getattr(CpuProvider, op)
                for op in ("rmsnorm", "bitlinear_group", "bitlinear", "add", *ops))
 
 
 def _one_region_attention(dim: int, qkv: Any, wo: Any, q_rows: int, kv_rows: int) -> bool:
-    """Whether attention_row_rowscale runs these: Q, K and V stacked in that order, wo back to dim columns wide, every
-    width whole blocks, a scale per row."""
+    """Whether layers_row_rowscale runs an attention half of these: Q, K and V stacked in that order, wo back to dim
+    columns wide, every width whole blocks, a scale per row."""
     return (isinstance(qkv, PackedTernary) and isinstance(wo, PackedTernary)
             and qkv.starts == (0, q_rows, q_rows + kv_rows) and qkv.rows == q_rows + 2 * kv_rows
             and qkv.row_scales is not None and wo.row_scales is not None
@@ -120,8 +121,8 @@ def _one_region_attention(dim: int, qkv: Any, wo: Any, q_rows: int, kv_rows: int
 
 
 def _one_region_ffn(dim: int, gate_up: Any, down: Any) -> bool:
-    """Whether ffn_row_rowscale runs these: gate and up stacked, the same height, down back to dim columns wide,
-    every width whole blocks, a scale per row."""
+    """Whether layers_row_rowscale runs a feed-forward half of these: gate and up stacked, the same height, down
+    back to dim columns wide, every width whole blocks, a scale per row."""
     return (isinstance(gate_up, PackedTernary) and isinstance(down, PackedTernary) and len(gate_up.starts) == 2
             and gate_up.row_scales is not None and down.row_scales is not None
             and gate_up.rows == 2 * gate_up.starts[1] == 2 * down.cols and gate_up.cols == dim == down.rows)
@@ -156,10 +157,51 @@ def permute_cols(x: np.ndarray, fields_reversed: bool = False) -> np.ndarray:
 
 
 def _head_major(kv: np.ndarray) -> np.ndarray:
-    """A layer of the cache [n_seqs, n_ctx, n_kv_heads, head_dim] as its memory holds it, [n_seqs, n_kv_heads, n_ctx,
+    """The cache [..., n_ctx, n_kv_heads, head_dim] (a layer, or all) as its memory holds it, [..., n_kv_heads, n_ctx,
     head_dim], C-contiguous (so numba vectorizes along head_dim); an F16 cache as its bits (uint16)."""
-    kv = kv.transpose(0, 2, 1, 3)
+    kv = np.swapaxes(kv, -3, -2)
     return kv.view(np.uint16) if kv.dtype == np.float16 else kv
+
+
+@dataclass(frozen=True, eq=False)
+class _LayerStack:
+    """Every layer's tables for layers_row_rowscale, stacked: the norms [layers, width] (a column of ones for
+    absent sub-norms) and whether the sub-norms are there, and per projection its tasks [layers, tasks, 6], block
+    stride, row scales [layers, rows] and byte order. It holds the layers, whose codes the tasks point into."""
+
+    layers: Sequence[LayerWeights]
+    norms: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool, bool]
+    qkv: tuple[np.ndarray, int, np.ndarray, bool]
+    wo: tuple[np.ndarray, int, np.ndarray, bool]
+    gate_up: tuple[np.ndarray, int, np.ndarray, bool]
+    down: tuple[np.ndarray, int, np.ndarray, bool]
+    hidden: int
+
+    @classmethod
+    def of(cls, layers: Sequence[LayerWeights], dim: int, q_rows: int, kv_rows: int) -> _LayerStack | None:
+        """None unless every layer is alike and each half is what the region runs (see _one_region_*)."""
+        if not layers or not all(_one_region_attention(dim, w.qkv, w.wo, q_rows, kv_rows)
+                                 and _one_region_ffn(dim, w.gate_up, w.w_down) for w in layers):
+            return None
+        subs = {(w.attn_sub_norm is None, w.ffn_sub_norm is None) for w in layers}
+        projections = []
+        for name in ("qkv", "wo", "gate_up", "w_down"):
+            ws = [getattr(w, name) for w in layers]
+            if len({(w.tasks.shape, w.bstride, w.fields_reversed) for w in ws}) != 1:
+                return None
+            projections.append((np.stack([w.tasks for w in ws]), ws[0].bstride,
+                                np.stack([w.row_scales for w in ws]).astype(np.float32), ws[0].fields_reversed))
+        if len(subs) != 1:
+            return None
+
+        def norms(name: str) -> np.ndarray:
+            if getattr(layers[0], name) is None:
+                return np.ones((len(layers), 1), np.float32)
+            return np.stack([np.asarray(getattr(w, name), np.float32) for w in layers])
+
+        has_attn_sub, has_ffn_sub = (not absent for absent in subs.pop())
+        return cls(layers, (norms("attn_norm"), norms("attn_sub_norm"), norms("ffn_norm"), norms("ffn_sub_norm"),
+                            has_attn_sub, has_ffn_sub), *projections, layers[0].gate_up.starts[1])
 
 
 threading_layer.configure()
@@ -182,6 +224,7 @@ class CpuProvider(ReferenceProvider):
         # numba cannot start more threads than it was configured with at import (NUMBA_NUM_THREADS).
         self.n_threads = max(1, min(n_threads or threads(), numba.config.NUMBA_NUM_THREADS))
         self._rope: tuple[tuple[bytes, int, float], np.ndarray, np.ndarray] | None = None  # the last angles
+        self._stack: tuple[Sequence[LayerWeights], _LayerStack | None] | None = None  # the last layers' tables
         self._use_threads()
 
     def _use_threads(self, one_task_at_a_time: bool = False) -> None:
@@ -235,45 +278,37 @@ class CpuProvider(ReferenceProvider):
             y = self._tk.bitlinear_row_blockscale(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
         return w.split(y, len(x))
 
-    def attention_block(self, x: Any, norm: Any, qkv: Any, sub_norm: Any | None, wo: Any, cache: Any, layer: int,
-                        slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int,
-                        theta: float, eps: float, act_quant: str) -> Any:
-        """One token with a scale per weight row in one parallel region (layer_regions.attention_row_rowscale), as
-        `ffn`; anything else, or a subclass's own operations, one by one."""
-        q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
-        if not (_ours(type(self), "rope", "attention") and len(x) == 1 and act_quant == "row"
-                and _one_region_attention(np.shape(x)[1], qkv, wo, q_rows, kv_rows)):
-            return super().attention_block(x, norm, qkv, sub_norm, wo, cache, layer, slots, positions, n_heads,
-                                           n_kv_heads, head_dim, theta, eps, act_quant)
-        self.record("cpu.attention_block_rowscale_row")
+    def layer_stack(self, x: Any, layers: Sequence[LayerWeights], cache: Any, slots: np.ndarray,
+                    positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int, theta: float, eps: float,
+                    act: str, act_quant: str) -> Any:
+        """One token with a scale per weight row ("row" quantization: I2_S, TQ2_0 with one scale a tensor) through
+        every layer in one parallel region (layer_regions.layers_row_rowscale); anything else as the operations
+        one by one, and so does a subclass that replaces one of them (its own act_mul, say), which the region
+        would bypass."""
+        keys, values = _head_major(cache.k), _head_major(cache.v)
+        stack = None
+        if (_ours(type(self), "rope", "attention", "act_mul", "attention_block", "ffn") and len(x) == 1
+                and act_quant == "row" and act in ACTIVATIONS
+                and keys.flags.c_contiguous and values.flags.c_contiguous):
+            stack = self._stack_of(layers, np.shape(x)[1], n_heads * head_dim, n_kv_heads * head_dim)
+        if stack is None:
+            return super().layer_stack(x, layers, cache, slots, positions, n_heads, n_kv_heads, head_dim, theta, eps,
+                                       act, act_quant)
+        self.record("cpu.layer_stack_rowscale_row")
         self._use_threads()
         slots, positions = np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(positions, np.int32)
         check_slots(cache, slots, positions, 1)
         _, cos, sin = self._rope_angles(positions, head_dim, theta)
-        f32 = np.float32
-        sub = np.ascontiguousarray(sub_norm, f32) if sub_norm is not None else np.ones(1, f32)
-        return self._tk.attention_row_rowscale(
-            np.ascontiguousarray(x, f32), np.ascontiguousarray(norm, f32), sub, sub_norm is not None, float(eps),
-            qkv.tasks, qkv.bstride, qkv.row_scales, qkv.fields_reversed, q_rows, kv_rows, cos, sin,
-            _head_major(cache.k[layer]), _head_major(cache.v[layer]), slots, positions, n_heads, n_kv_heads,
-            head_dim, wo.tasks, wo.bstride, wo.row_scales, wo.fields_reversed, self.n_threads)
+        return self._tk.layers_row_rowscale(
+            np.ascontiguousarray(x, np.float32), *stack.norms, float(eps), act == "relu2", *stack.qkv, *stack.wo,
+            *stack.gate_up, *stack.down, n_heads * head_dim, n_kv_heads * head_dim, stack.hidden, cos, sin, keys,
+            values, slots, positions, n_heads, n_kv_heads, head_dim, self.n_threads)
 
-    def ffn(self, x: Any, norm: Any, gate_up: Any, sub_norm: Any | None, down: Any, eps: float, act: str,
-            act_quant: str) -> Any:
-        """One token with a scale per weight row ("row" quantization: I2_S, TQ2_0 with one scale a tensor) in one
-        parallel region (layer_regions.ffn_row_rowscale); anything else as the operations one by one, and so does a
-        subclass that replaces one of them (its own act_mul, say), which the region would bypass."""
-        if not (_ours(type(self), "act_mul") and len(x) == 1 and act_quant == "row" and act in ACTIVATIONS
-                and _one_region_ffn(np.shape(x)[1], gate_up, down)):
-            return super().ffn(x, norm, gate_up, sub_norm, down, eps, act, act_quant)
-        self.record("cpu.ffn_rowscale_row")
-        self._use_threads()
-        f32 = np.float32
-        sub = np.ascontiguousarray(sub_norm, f32) if sub_norm is not None else np.ones(1, f32)
-        return self._tk.ffn_row_rowscale(
-            np.ascontiguousarray(x, f32), np.ascontiguousarray(norm, f32), sub, sub_norm is not None, float(eps),
-            act == "relu2", gate_up.tasks, gate_up.bstride, gate_up.row_scales, gate_up.fields_reversed,
-            gate_up.starts[1], down.tasks, down.bstride, down.row_scales, down.fields_reversed, self.n_threads)
+    def _stack_of(self, layers: Sequence[LayerWeights], dim: int, q_rows: int, kv_rows: int) -> _LayerStack | None:
+        """The layers' stacked tables, built on first use (a transformer passes the same list at every step)."""
+        if self._stack is None or self._stack[0] is not layers:
+            self._stack = (layers, _LayerStack.of(layers, dim, q_rows, kv_rows))
+        return self._stack[1]
 
     def _bitlinear_float(self, x: Any, w: PackedTernary) -> np.ndarray:
         """Float activations times the unpacked ternary values (BLAS), a chunk of rows at a time.
