@@ -215,41 +215,42 @@ def layer_stack(cpu: CpuProvider, rng: np.random.Generator, n_layers: int, layou
             for _ in range(n_layers)]
 
 
-def run_stack(cpu: CpuProvider, layers: list[LayerWeights], x: np.ndarray, cache: object, pos0: int,
-              act: str, own: bool = True) -> np.ndarray:
-    """x's rows as one sequence (slot 1) at positions pos0.. through the stack: the provider's, or the composition."""
+def run_stack(cpu: CpuProvider, layers: list[LayerWeights], x: np.ndarray, cache: object, slots: list[int],
+              positions: list[int], act: str, own: bool = True, mode: str = "row") -> np.ndarray:
+    """x's rows at their slots and positions through the stack: the provider's, or the composition."""
     run = cpu.layer_stack if own else lambda *a: KernelProvider.layer_stack(cpu, *a)
-    n = len(x)
-    return run(x, layers, cache, np.full(n, 1, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32), 4, 2, 128,
-               10000.0, 1e-5, act, "row")
+    return run(x, layers, cache, np.array(slots, np.int32), np.array(positions, np.int32), 4, 2, 128, 10000.0, 1e-5,
+               act, mode)
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("sub,act", [(True, "relu2"), (False, "silu")], ids=["sub_norm_relu2", "silu"])
 @pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
-def test_one_tokens_layers_run_in_one_region_as_their_operations_would(cpu: CpuProvider, kv_type: str, sub: bool,
-                                                                       act: str, layout: str) -> None:
+def test_a_few_tokens_run_through_the_layers_in_one_region_as_their_operations_would(
+        cpu: CpuProvider, kv_type: str, sub: bool, act: str, layout: str) -> None:
     rng = np.random.default_rng(23)
     layers = layer_stack(cpu, rng, 3, layout, sub)
-    x = (rng.standard_normal((8, 512)) * 3).astype(np.float32)
+    x = (rng.standard_normal((12, 512)) * 3).astype(np.float32)
     caches = [cpu.kv_cache(3, 16, 2, 128, 2, kv_type) for _ in "ab"]
-    for c in caches:
-        run_stack(cpu, layers, x[:5], c, 0, act)  # a prompt: the operations one by one
-    assert "cpu.layer_stack_rowscale_row" not in cpu.dispatches
-    for pos in (5, 6):  # two decode steps, each layer's K and V stored at its position
-        got = run_stack(cpu, layers, x[pos:pos + 1], caches[0], pos, act)
-        want = run_stack(cpu, layers, x[pos:pos + 1], caches[1], pos, act, own=False)
-        assert cpu.dispatches["cpu.layer_stack_rowscale_row"] == pos - 4
+    steps = (  # rows of x, their slots and positions
+        (slice(0, 9), [1] * 9, list(range(9))),  # a prompt of more tokens than a region takes: the operations
+        (slice(9, 10), [1], [9]),  # a decode step
+        (slice(0, 3), [0, 0, 0], [0, 1, 2]),  # a short prompt
+        (slice(10, 12), [0, 1], [3, 10]),  # two sequences' decode steps together
+    )
+    for rows, slots, positions in steps:
+        fused = cpu.dispatches["cpu.layer_stack_rowscale_row"]
+        got = run_stack(cpu, layers, x[rows], caches[0], slots, positions, act)
+        want = run_stack(cpu, layers, x[rows], caches[1], slots, positions, act, own=False)
+        assert cpu.dispatches["cpu.layer_stack_rowscale_row"] == fused + (len(slots) < 9)
         np.testing.assert_array_equal(got, want)
         for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
             np.testing.assert_array_equal(a, b)
-    assert np.all(np.any(caches[0].k[:, 1, 6] != 0, axis=(1, 2)))  # every layer stored the last token's K
+    assert np.all(np.any(caches[0].k[:, :, 3] != 0, axis=(2, 3)))  # every layer stored both slots' K
     for mode in ("block256", "none"):  # other quantizations run as the operations
-        got, want = (run(x[7:], layers, c, np.ones(1, np.int32), np.full(1, 7, np.int32), 4, 2, 128, 10000.0, 1e-5,
-                         act, mode)
-                     for run, c in ((cpu.layer_stack, caches[0]),
-                                    (lambda *a: KernelProvider.layer_stack(cpu, *a), caches[1])))
-        assert cpu.dispatches["cpu.layer_stack_rowscale_row"] == 2
+        got = run_stack(cpu, layers, x[:1], caches[0], [1], [11], act, True, mode)
+        want = run_stack(cpu, layers, x[:1], caches[1], [1], [11], act, False, mode)
+        assert cpu.dispatches["cpu.layer_stack_rowscale_row"] == 3
         np.testing.assert_array_equal(got, want)
 
 
@@ -261,8 +262,8 @@ def test_layers_the_region_cannot_run_run_as_their_operations() -> None:
     x = rng.standard_normal((1, 512)).astype(np.float32)
     for layers in (per_block, mixed):
         caches = [cpu.kv_cache(2, 16, 2, 128, 2) for _ in "ab"]
-        np.testing.assert_array_equal(run_stack(cpu, layers, x, caches[0], 0, "silu"),
-                                      run_stack(cpu, layers, x, caches[1], 0, "silu", own=False))
+        np.testing.assert_array_equal(run_stack(cpu, layers, x, caches[0], [0], [0], "silu"),
+                                      run_stack(cpu, layers, x, caches[1], [0], [0], "silu", own=False))
     assert "cpu.layer_stack_rowscale_row" not in cpu.dispatches
 
     class OwnActivation(CpuProvider):  # a subclass's own operation: the region would bypass it
@@ -272,8 +273,8 @@ def test_layers_the_region_cannot_run_run_as_their_operations() -> None:
     own = OwnActivation(n_threads=2, isa=LEVELS[0])
     layers = layer_stack(own, np.random.default_rng(19), 2, "tq2_0", True)
     caches = [own.kv_cache(2, 16, 2, 128, 2) for _ in "ab"]
-    np.testing.assert_array_equal(run_stack(own, layers, x, caches[0], 0, "silu"),
-                                  run_stack(own, layers, x, caches[1], 0, "silu", own=False))
+    np.testing.assert_array_equal(run_stack(own, layers, x, caches[0], [0], [0], "silu"),
+                                  run_stack(own, layers, x, caches[1], [0], [0], "silu", own=False))
     assert "cpu.layer_stack_rowscale_row" not in own.dispatches
 
 

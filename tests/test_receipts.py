@@ -22,7 +22,8 @@ from bitnet.tools import receipts
 from bitnet_cpu.provider import CpuProvider
 from conftest import BITNET_ENV, cli_env, run_cli
 
-PROMPT = "The quick brown fox"
+# More tokens than the CPU plugin runs through its layers in one region: the prefill runs every operation.
+PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs away"
 SAMPLING = {"max_tokens": 6, "temperature": 0.0, "seed": 1}
 # The operations core's transformer calls on a provider in a greedy run (memory ops excluded:
 # uploads, cache allocation and to_host move data, they are not kernels).

@@ -243,45 +243,67 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
 _row_sums, _block_sums = _make_sums(False, True), _make_sums(True, False)
 
 
-@njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")
-def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, s: np.ndarray,
-                    row_scale: np.ndarray, out: np.ndarray, wide_bytes: int) -> None:
-    """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row
-    (out flat, each array's [n, height] in turn; r a row of the stack)."""
-    n, qstride = q.shape[0], q.strides[0]
-    # Columns a WIDE pass takes at a time: its tokens' activations stay in L1. A wider row (6912 columns)
-    # runs as a few such parts over all of a task's rows in turn, adding up exact int32 sums; whole rows
-    # of 8 tokens (55 KB) had come from L2 in every pass: 450 G products/s against 650 at 2560 columns.
-    parts = -(-(nb * BLOCK * WIDE) // wide_bytes)
-    kb = -(-nb // parts)
+@njit(inline="always", cache=CACHE)
+def row_totals(qsum: np.ndarray) -> np.ndarray:
+    """Each token's sum of its block sums, float64 [n]: exact (|total| < 2**53), so float64(isum) - total is
+    float64(isum - total)."""
+    n, nb = qsum.shape
     qtot = np.empty(n, np.float64)
     for t in range(n):
         total = 0
         for b in range(nb):
             total += qsum[t, b]
-        qtot[t] = total  # exact: |total| < 2**53, so float64(isum) - qtot is float64(isum - total)
+        qtot[t] = total
+    return qtot
+
+
+@njit(inline="always", cache=CACHE)
+def column_blocks(nb: int, wide_bytes: int) -> int:
+    """Blocks a WIDE pass takes at a time: its tokens' activations stay in L1. A wider row (6912 columns) runs
+    as a few such parts over all of a task's rows in turn, adding up exact int32 sums; whole rows of 8 tokens
+    (55 KB) had come from L2 in every pass: 450 G products/s against 650 at 2560 columns."""
+    parts = -(-(nb * BLOCK * WIDE) // wide_bytes)
+    return -(-nb // parts)
+
+
+@njit(inline="always", cache=CACHE, error_model="numpy")
+def rowscale_task(tasks: np.ndarray, task: int, nb: int, bstride: int, q: np.ndarray, qtot: np.ndarray,
+                  s: np.ndarray, row_scale: np.ndarray, out: np.ndarray, kb: int, isum: np.ndarray,
+                  acc: np.ndarray) -> None:
+    """One task of matmul_rowscale, every token of q through its rows (isum: 2 WIDE int32 of scratch, acc:
+    [WIDE, 1, at least its rows])."""
+    n, qstride = q.shape[0], q.strides[0]
+    w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
+    first, height = tasks[task, 4], tasks[task, 5]
+    scale = row_scale[first + r0:first + r1]
+    t0 = 0
+    while t0 < n:
+        # WIDE tokens at a time while 7 or more are left (5 or 6 cost less as a TILE pass and the rest)
+        nt = min(WIDE, n - t0) if n - t0 >= WIDE - 1 else min(TILE, n - t0)
+        if nt <= TILE:
+            _row_sums(w0, wstride, r0, r1, nb, bstride, q.ctypes.data + t0 * qstride, qstride, nt, isum, acc)
+        else:
+            for b0 in range(0, nb, kb):
+                _row_sums(w0 + b0 * bstride, wstride, r0, r1, min(kb, nb - b0), bstride,
+                          q.ctypes.data + t0 * qstride + b0 * BLOCK, qstride, nt, isum, acc, b0 > 0)
+        for i in range(nt):
+            t = t0 + i
+            o = out[n * first + t * height + r0:n * first + t * height + r1]
+            st, qt = np.float64(s[t]), qtot[t]
+            for j in range(r1 - r0):
+                o[j] = np.float32((np.float64(acc[i, 0, j]) - qt) * np.float64(scale[j]) / st)
+        t0 += nt
+
+
+@njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")
+def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, s: np.ndarray,
+                    row_scale: np.ndarray, out: np.ndarray, wide_bytes: int) -> None:
+    """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row
+    (out flat, each array's [n, height] in turn; r a row of the stack)."""
+    qtot, kb = row_totals(qsum), column_blocks(nb, wide_bytes)
     for task in prange(tasks.shape[0]):
-        w0, wstride, r0, r1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
-        first, height = tasks[task, 4], tasks[task, 5]
-        isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, r1 - r0), np.int32)
-        scale = row_scale[first + r0:first + r1]
-        t0 = 0
-        while t0 < n:
-            # WIDE tokens at a time while 7 or more are left (5 or 6 cost less as a TILE pass and the rest)
-            nt = min(WIDE, n - t0) if n - t0 >= WIDE - 1 else min(TILE, n - t0)
-            if nt <= TILE:
-                _row_sums(w0, wstride, r0, r1, nb, bstride, q.ctypes.data + t0 * qstride, qstride, nt, isum, acc)
-            else:
-                for b0 in range(0, nb, kb):
-                    _row_sums(w0 + b0 * bstride, wstride, r0, r1, min(kb, nb - b0), bstride,
-                              q.ctypes.data + t0 * qstride + b0 * BLOCK, qstride, nt, isum, acc, b0 > 0)
-            for i in range(nt):
-                t = t0 + i
-                o = out[n * first + t * height + r0:n * first + t * height + r1]
-                st, qt = np.float64(s[t]), qtot[t]
-                for j in range(r1 - r0):
-                    o[j] = np.float32((np.float64(acc[i, 0, j]) - qt) * np.float64(scale[j]) / st)
-            t0 += nt
+        isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, tasks[task, 3] - tasks[task, 2]), np.int32)
+        rowscale_task(tasks, task, nb, bstride, q, qtot, s, row_scale, out, kb, isum, acc)
 
 
 @njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")

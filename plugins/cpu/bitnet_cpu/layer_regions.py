@@ -1,5 +1,5 @@
-"""One decode token's pass through every layer in one parallel region ("row" quantization, a scale per weight
-row): the CPU plugin's `layer_stack`.
+"""A decode step's tokens (one sequence's, or several sequences' together) through every layer in one parallel
+region ("row" quantization, a scale per weight row): the CPU plugin's `layer_stack`.
 
 A decode step had made 14 calls from Python a layer (RMSNorm, Q/K/V, two ropes, attention, sub-norm, wo, add;
 RMSNorm, gate/up, act, sub-norm, down, add), five of them parallel loops. Here the threads enter one region for the
@@ -28,19 +28,8 @@ _PART = 8  # int64s apart: each counter of `_claimed_tasks` on its own 64-byte l
 
 
 @njit(inline="always", cache=CACHE, error_model="numpy")
-def _one_task(tasks: np.ndarray, k: int, nb: int, bstride: int, q: np.ndarray, qtot: float, s: np.ndarray,
-              row_scale: np.ndarray, out: np.ndarray, isum: np.ndarray, acc: np.ndarray) -> None:
-    """One task of one token's BitLinear into out: matmul_rowscale's sums and epilogue for n = 1."""
-    w0, wstride, r0, r1, first = tasks[k, 0], tasks[k, 1], tasks[k, 2], tasks[k, 3], tasks[k, 4]
-    _row_sums(w0, wstride, r0, r1, nb, bstride, q.ctypes.data, q.strides[0], 1, isum, acc)
-    o, scale, st = out[first + r0:first + r1], row_scale[first + r0:first + r1], np.float64(s[0])
-    for j in range(r1 - r0):
-        o[j] = np.float32((np.float64(acc[0, 0, j]) - qtot) * np.float64(scale[j]) / st)
-
-
-@njit(inline="always", cache=CACHE, error_model="numpy")
 def _claimed_tasks(part: int, n_parts: int, ctrl: np.ndarray, base: int, tasks: np.ndarray, nb: int, bstride: int,
-                   q: np.ndarray, qtot: float, s: np.ndarray, row_scale: np.ndarray, out: np.ndarray,
+                   q: np.ndarray, qtot: np.ndarray, s: np.ndarray, row_scale: np.ndarray, out: np.ndarray, kb: int,
                    isum: np.ndarray, acc: np.ndarray) -> int:
     """Tasks of one BitLinear, claimed one at a time: first from this part's contiguous share (each thread
     streams its own rows; tasks dealt alternately made two threads 1.25x slower than the calls), then from the
@@ -53,7 +42,7 @@ def _claimed_tasks(part: int, n_parts: int, ctrl: np.ndarray, base: int, tasks: 
             k = lo + atomics.fetch_add(ctrl, base + _PART * share, 1)
             if k >= hi:
                 break
-            _one_task(tasks, k, nb, bstride, q, qtot, s, row_scale, out, isum, acc)
+            rowscale_task(tasks, k, nb, bstride, q, qtot, s, row_scale, out, kb, isum, acc)
             ran += 1
     return ran
 
@@ -79,19 +68,20 @@ def _most_rows(a: np.ndarray, b: np.ndarray) -> int:
 
 
 @njit(inline="always", cache=CACHE)
-def _activations(cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Room for one row's quantized activations: codes, scale, block sums, their total (float64, exact)."""
-    return int8_rows(1, cols), np.empty(1, np.float32), np.empty((1, cols // BLOCK), np.int32), np.empty(1, np.float64)
+def _activations(n: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Room for n rows' quantized activations: codes, scales, block sums, their totals (float64, exact)."""
+    return int8_rows(n, cols), np.empty(n, np.float32), np.empty((n, cols // BLOCK), np.int32), np.empty(n, np.float64)
 
 
 @njit(inline="always", cache=CACHE)
 def _quantize(x: np.ndarray, rev: bool, q: np.ndarray, s: np.ndarray, qsum: np.ndarray, qtot: np.ndarray) -> None:
-    """quantize_rows of one row into room from _activations, and the total of its block sums."""
+    """quantize_rows into room from _activations, and each row's total of its block sums (as row_totals)."""
     quantize_rows(x, q, s, qsum, rev)
-    total = 0
-    for b in range(x.shape[1] // BLOCK):
-        total += qsum[0, b]
-    qtot[0] = total
+    for t in range(x.shape[0]):
+        total = 0
+        for b in range(x.shape[1] // BLOCK):
+            total += qsum[t, b]
+        qtot[t] = total
 
 
 @njit(inline="always", cache=CACHE)
@@ -108,9 +98,12 @@ def _last(ctrl: np.ndarray, i: int, ran: int, total: int) -> bool:
 
 @njit(inline="always", cache=CACHE)
 def _add(x: np.ndarray, y: np.ndarray) -> None:
-    """x [1, n] += y [n], float32: the residual's add, in place (a plain loop, as _counters)."""
-    for i in range(x.shape[1]):
-        x[0, i] += y[i]
+    """x [n, width] += y (flat, [n, width]'s values), float32: the residual's add, in place (a plain loop, as
+    _counters)."""
+    n, width = x.shape
+    for t in range(n):
+        for i in range(width):
+            x[t, i] += y[t * width + i]
 
 
 # Each layer's counters, _PART int64s apart: phases done, flags ("the next phase's input is ready"), the next
@@ -129,40 +122,44 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
                         d_tasks: np.ndarray, d_bstride: int, d_scale: np.ndarray, d_rev: bool,
                         q_rows: int, kv_rows: int, hidden: int, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
                         values: np.ndarray, slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int,
-                        head_dim: int, n_parts: int) -> np.ndarray:
-    """x [1, dim] through every layer l: x += wo(sub_norm(attention(rope(q), rope(k), v))), q, k, v of
-    rmsnorm(x, attn_norm[l]) (one stack, in that order), k and v stored in the cache's layer l first; then
-    x += down(sub_norm(act(gate) * up)), gate and up of rmsnorm(x, ffn_norm[l]). The provider's operations in
-    their order, to the bit. Per layer, a projection's arrays are [l] of these ([layers, tasks, 6] tasks,
-    [layers, rows] scales); keys and values are the cache [layers, n_seqs, n_kv_heads, n_ctx, head_dim].
+                        head_dim: int, wide_bytes: int, n_parts: int) -> np.ndarray:
+    """x [n, dim] (a few tokens, each of its slot and position) through every layer l: x += wo(sub_norm(attention(
+    rope(q), rope(k), v))), q, k, v of rmsnorm(x, attn_norm[l]) (one stack, in that order), k and v stored in the
+    cache's layer l first; then x += down(sub_norm(act(gate) * up)), gate and up of rmsnorm(x, ffn_norm[l]). The
+    provider's operations in their order, to the bit. Per layer, a projection's arrays are [l] of these ([layers,
+    tasks, 6] tasks, [layers, rows] scales); keys and values are the cache [layers, n_seqs, n_kv_heads, n_ctx,
+    head_dim]. A task runs every token through its rows, as matmul_rowscale's (rowscale_task).
 
-    n_parts threads enter one region. In each of a layer's five phases (Q/K/V's tasks, the KV heads'
-    attention, wo's tasks, gate/up's, down's) they claim tasks through counters (`_claimed_tasks`); whoever
-    finishes a phase's last task does the serial step that follows (rope and the cache's stores; sub-norm and
-    wo's input; the residual add, RMSNorm and gate/up's input; act, sub-norm and down's input; the add and the
-    next layer's input), then raises a flag the others wait on. A thread that arrives late finds less (or
-    nothing) to claim, and one that never arrives is not waited for, so a busy co-tenant costs what it costs
-    TBB's calls: a thread only waits for work another has claimed. Each buffer is rewritten only by a serial
-    step after every task that read it is done.
+    n_parts threads enter one region. In each of a layer's five phases (Q/K/V's tasks, the attention tasks (a
+    token and a KV head each), wo's tasks, gate/up's, down's) they claim tasks through counters
+    (`_claimed_tasks`); whoever finishes a phase's last task does the serial step that follows (rope and the
+    cache's stores; sub-norm and wo's input; the residual add, RMSNorm and gate/up's input; act, sub-norm and
+    down's input; the add and the next layer's input), then raises a flag the others wait on. A thread that
+    arrives late finds less (or nothing) to claim, and one that never arrives is not waited for, so a busy
+    co-tenant costs what it costs TBB's calls: a thread only waits for work another has claimed. Each buffer is
+    rewritten only by a serial step after every task that read it is done.
     """
-    n_layers, dim = qkv_tasks.shape[0], x.shape[1]
+    (n, dim), n_layers = x.shape, qkv_tasks.shape[0]
     xs, h = np.empty_like(x), np.empty_like(x)
-    for i in range(dim):  # (a plain loop, as _counters)
-        xs[0, i] = x[0, i]
-    qd, sd, qsumd, qtotd = _activations(dim)  # Q/K/V's input, then gate/up's
+    for t in range(n):  # (plain loops, as _counters)
+        for i in range(dim):
+            xs[t, i] = x[t, i]
+    qd, sd, qsumd, qtotd = _activations(n, dim)  # Q/K/V's input, then gate/up's
     fk.rmsnorm(xs, attn_norm[0], eps, h)
     _quantize(h, qkv_rev, qd, sd, qsumd, qtotd)
-    qkv = np.empty(q_rows + 2 * kv_rows, np.float32)
-    q_roped, k_roped = np.empty((1, q_rows), np.float32), np.empty((1, kv_rows), np.float32)
-    a = np.empty((1, q_rows), np.float32)
-    a_normed = np.empty((1, q_rows), np.float32) if has_attn_sub else a
-    qo, so, qsumo, qtoto = _activations(q_rows)
-    attended = np.empty(dim, np.float32)
-    gu = np.empty(2 * hidden, np.float32)
-    f = np.empty((1, hidden), np.float32)
-    f_normed = np.empty((1, hidden), np.float32) if has_ffn_sub else f
-    qf, sf, qsumf, qtotf = _activations(hidden)
-    down = np.empty(dim, np.float32)
+    qkv = np.empty(n * (q_rows + 2 * kv_rows), np.float32)  # Q [n, q_rows], then K, then V (see int_kernels)
+    q_roped, k_roped = np.empty((n, q_rows), np.float32), np.empty((n, kv_rows), np.float32)
+    a = np.empty((n, q_rows), np.float32)
+    a_normed = np.empty((n, q_rows), np.float32) if has_attn_sub else a
+    qo, so, qsumo, qtoto = _activations(n, q_rows)
+    attended = np.empty(n * dim, np.float32)
+    gu = np.empty(n * 2 * hidden, np.float32)  # gate [n, hidden], then up
+    f = np.empty((n, hidden), np.float32)
+    f_normed = np.empty((n, hidden), np.float32) if has_ffn_sub else f
+    qf, sf, qsumf, qtotf = _activations(n, hidden)
+    down = np.empty(n * dim, np.float32)
+    kb_dim, kb_q = column_blocks(dim // BLOCK, wide_bytes), column_blocks(q_rows // BLOCK, wide_bytes)
+    kb_hidden = column_blocks(hidden // BLOCK, wide_bytes)
     per_layer = _PART * (_SHARES + 4 * n_parts)
     ctrl = _counters(per_layer * n_layers)
     rows = max(_most_rows(qkv_tasks[0], wo_tasks[0]), _most_rows(gu_tasks[0], d_tasks[0]))
@@ -174,29 +171,29 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
             if layer > 0:
                 _wait(ctrl, c - per_layer + _PART * _LAYER_OUT)
             ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], dim // BLOCK, qkv_bstride, qd,
-                                 qtotd[0], sd, qkv_scale[layer], qkv, isum, acc)
+                                 qtotd, sd, qkv_scale[layer], qkv, kb_dim, isum, acc)
             if _last(ctrl, c + _PART * _QKV_DONE, ran, len(qkv_tasks[layer])):
-                fk.rope(qkv[:q_rows].reshape((1, q_rows)), n_heads, head_dim, cos, sin, q_roped)
-                fk.rope(qkv[q_rows:q_rows + kv_rows].reshape((1, kv_rows)), n_kv_heads, head_dim, cos, sin, k_roped)
-                attn.store_kv(k_roped, qkv[q_rows + kv_rows:].reshape((1, kv_rows)), keys[layer], values[layer],
-                              slots, positions)
+                k0, v0 = n * q_rows, n * (q_rows + kv_rows)
+                fk.rope(qkv[:k0].reshape((n, q_rows)), n_heads, head_dim, cos, sin, q_roped)
+                fk.rope(qkv[k0:v0].reshape((n, kv_rows)), n_kv_heads, head_dim, cos, sin, k_roped)
+                attn.store_kv(k_roped, qkv[v0:].reshape((n, kv_rows)), keys[layer], values[layer], slots, positions)
                 atomics.store(ctrl, c + _PART * _KV_STORED, 1)
             _wait(ctrl, c + _PART * _KV_STORED)
             ran = 0
             while True:
                 head = atomics.fetch_add(ctrl, c + _PART * _NEXT_HEAD, 1)
-                if head >= n_kv_heads:
+                if head >= n_kv_heads * n:
                     break
                 attn.attend(head, q_roped, keys[layer], values[layer], slots, positions, n_heads, a)
                 ran += 1
-            if _last(ctrl, c + _PART * _HEADS_DONE, ran, n_kv_heads):
+            if _last(ctrl, c + _PART * _HEADS_DONE, ran, n_kv_heads * n):
                 if has_attn_sub:
                     fk.rmsnorm(a, attn_sub[layer], eps, a_normed)
                 _quantize(a_normed, wo_rev, qo, so, qsumo, qtoto)
                 atomics.store(ctrl, c + _PART * _WO_IN, 1)
             _wait(ctrl, c + _PART * _WO_IN)
             ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], q_rows // BLOCK,
-                                 wo_bstride, qo, qtoto[0], so, wo_scale[layer], attended, isum, acc)
+                                 wo_bstride, qo, qtoto, so, wo_scale[layer], attended, kb_q, isum, acc)
             if _last(ctrl, c + _PART * _WO_DONE, ran, len(wo_tasks[layer])):
                 _add(xs, attended)
                 fk.rmsnorm(xs, ffn_norm[layer], eps, h)
@@ -204,16 +201,16 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
                 atomics.store(ctrl, c + _PART * _GU_IN, 1)
             _wait(ctrl, c + _PART * _GU_IN)
             ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], dim // BLOCK,
-                                 gu_bstride, qd, qtotd[0], sd, gu_scale[layer], gu, isum, acc)
+                                 gu_bstride, qd, qtotd, sd, gu_scale[layer], gu, kb_dim, isum, acc)
             if _last(ctrl, c + _PART * _GU_DONE, ran, len(gu_tasks[layer])):
-                fk.act_mul(gu[:hidden].reshape((1, hidden)), gu[hidden:].reshape((1, hidden)), relu2, f)
+                fk.act_mul(gu[:n * hidden].reshape((n, hidden)), gu[n * hidden:].reshape((n, hidden)), relu2, f)
                 if has_ffn_sub:
                     fk.rmsnorm(f, ffn_sub[layer], eps, f_normed)
                 _quantize(f_normed, d_rev, qf, sf, qsumf, qtotf)
                 atomics.store(ctrl, c + _PART * _DOWN_IN, 1)
             _wait(ctrl, c + _PART * _DOWN_IN)
             ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], hidden // BLOCK,
-                                 d_bstride, qf, qtotf[0], sf, d_scale[layer], down, isum, acc)
+                                 d_bstride, qf, qtotf, sf, d_scale[layer], down, kb_hidden, isum, acc)
             if _last(ctrl, c + _PART * _DOWN_DONE, ran, len(d_tasks[layer])):
                 _add(xs, down)
                 if layer + 1 < n_layers:

@@ -46,6 +46,8 @@ _ROWS_PER_TASK = 64
 # Tokens from which a BitLinear task (64 rows) is long enough to be handed out alone (see _use_threads):
 # ~0.1 ms. At 8 tokens (8 sequences decoding) it cost 1 % on a quiet machine.
 _LONG_TASK_TOKENS = 16
+# Tokens a layer_stack call runs in one region (a decode step's sequences): a task's rows take them in one pass.
+_STACK_TOKENS = 8
 # Rows of the int8 LM head built at a time (40 MB of F16 at dim 2560), each part's file pages released after.
 _Q8_BUILD_ROWS = 8192
 # LM-head rows per parallel task: 2.5 MB of F16 at dim 2560, many tasks for few threads.
@@ -287,7 +289,7 @@ class CpuProvider(ReferenceProvider):
         would bypass."""
         keys, values = _head_major(cache.k), _head_major(cache.v)
         stack = None
-        if (_ours(type(self), "rope", "attention", "act_mul", "attention_block", "ffn") and len(x) == 1
+        if (_ours(type(self), "rope", "attention", "act_mul", "attention_block", "ffn") and 1 <= len(x) <= _STACK_TOKENS
                 and act_quant == "row" and act in ACTIVATIONS
                 and keys.flags.c_contiguous and values.flags.c_contiguous):
             stack = self._stack_of(layers, np.shape(x)[1], n_heads * head_dim, n_kv_heads * head_dim)
@@ -297,12 +299,12 @@ class CpuProvider(ReferenceProvider):
         self.record("cpu.layer_stack_rowscale_row")
         self._use_threads()
         slots, positions = np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(positions, np.int32)
-        check_slots(cache, slots, positions, 1)
+        check_slots(cache, slots, positions, len(x))
         _, cos, sin = self._rope_angles(positions, head_dim, theta)
         return self._tk.layers_row_rowscale(
             np.ascontiguousarray(x, np.float32), *stack.norms, float(eps), act == "relu2", *stack.qkv, *stack.wo,
             *stack.gate_up, *stack.down, n_heads * head_dim, n_kv_heads * head_dim, stack.hidden, cos, sin, keys,
-            values, slots, positions, n_heads, n_kv_heads, head_dim, self.n_threads)
+            values, slots, positions, n_heads, n_kv_heads, head_dim, self.wide_bytes, self.n_threads)
 
     def _stack_of(self, layers: Sequence[LayerWeights], dim: int, q_rows: int, kv_rows: int) -> _LayerStack | None:
         """The layers' stacked tables, built on first use (a transformer passes the same list at every step)."""
