@@ -27,7 +27,7 @@ from bitnet_cpu import float_kernels as fk
 _PART = 8  # int64s apart: each counter of `_claimed_tasks` on its own 64-byte line
 
 
-@njit(inline="always", cache=CACHE, error_model="numpy")
+@njit(cache=CACHE, error_model="numpy")
 def _claimed_tasks(part: int, n_parts: int, ctrl: np.ndarray, base: int, tasks: np.ndarray, nb: int, bstride: int,
                    q: np.ndarray, qtot: np.ndarray, s: np.ndarray, row_scale: np.ndarray, out: np.ndarray, kb: int,
                    isum: np.ndarray, acc: np.ndarray) -> int:
@@ -113,6 +113,76 @@ _LAYER_OUT = 10  # the layer's output is in x and the next layer's Q/K/V input i
 _SHARES = 11
 
 
+@njit(cache=CACHE, error_model="numpy")
+def _stack_part(part: int, n_parts: int, state: tuple) -> None:
+    """One thread's way through layers_row_rowscale's layers: its arguments and buffers, grouped. A function of its
+    own, called from the parallel loop: numba's parallel-loop passes over a body this size had compiled for 21 s
+    (of a first run's 49 s on an empty kernel cache, 33 s now)."""
+    ctrl, rows, weights, norms, dims, rope_cache, buffers, acts = state
+    (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
+     gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev) = weights
+    attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2 = norms
+    q_rows, kv_rows, hidden, n_heads, n_kv_heads, head_dim, kb_dim, kb_q, kb_hidden = dims
+    cos, sin, keys, values, slots, positions = rope_cache
+    xs, h, qkv, q_roped, k_roped, a, a_normed, attended, gu, f, f_normed, down = buffers
+    qd, sd, qsumd, qtotd, qo, so, qsumo, qtoto, qf, sf, qsumf, qtotf = acts
+    (n, dim), n_layers = xs.shape, qkv_tasks.shape[0]
+    per_layer = _PART * (_SHARES + 4 * n_parts)
+    isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, rows), np.int32)
+    for layer in range(n_layers):
+        c = layer * per_layer
+        share = c + _PART * _SHARES
+        if layer > 0:
+            _wait(ctrl, c - per_layer + _PART * _LAYER_OUT)
+        ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], dim // BLOCK, qkv_bstride, qd,
+                             qtotd, sd, qkv_scale[layer], qkv, kb_dim, isum, acc)
+        if _last(ctrl, c + _PART * _QKV_DONE, ran, len(qkv_tasks[layer])):
+            k0, v0 = n * q_rows, n * (q_rows + kv_rows)
+            fk.rope(qkv[:k0].reshape((n, q_rows)), n_heads, head_dim, cos, sin, q_roped)
+            fk.rope(qkv[k0:v0].reshape((n, kv_rows)), n_kv_heads, head_dim, cos, sin, k_roped)
+            attn.store_kv(k_roped, qkv[v0:].reshape((n, kv_rows)), keys[layer], values[layer], slots, positions)
+            atomics.store(ctrl, c + _PART * _KV_STORED, 1)
+        _wait(ctrl, c + _PART * _KV_STORED)
+        ran = 0
+        while True:
+            head = atomics.fetch_add(ctrl, c + _PART * _NEXT_HEAD, 1)
+            if head >= n_kv_heads * n:
+                break
+            attn.attend(head, q_roped, keys[layer], values[layer], slots, positions, n_heads, a)
+            ran += 1
+        if _last(ctrl, c + _PART * _HEADS_DONE, ran, n_kv_heads * n):
+            if has_attn_sub:
+                fk.rmsnorm(a, attn_sub[layer], eps, a_normed)
+            _quantize(a_normed, wo_rev, qo, so, qsumo, qtoto)
+            atomics.store(ctrl, c + _PART * _WO_IN, 1)
+        _wait(ctrl, c + _PART * _WO_IN)
+        ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], q_rows // BLOCK,
+                             wo_bstride, qo, qtoto, so, wo_scale[layer], attended, kb_q, isum, acc)
+        if _last(ctrl, c + _PART * _WO_DONE, ran, len(wo_tasks[layer])):
+            _add(xs, attended)
+            fk.rmsnorm(xs, ffn_norm[layer], eps, h)
+            _quantize(h, gu_rev, qd, sd, qsumd, qtotd)
+            atomics.store(ctrl, c + _PART * _GU_IN, 1)
+        _wait(ctrl, c + _PART * _GU_IN)
+        ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], dim // BLOCK,
+                             gu_bstride, qd, qtotd, sd, gu_scale[layer], gu, kb_dim, isum, acc)
+        if _last(ctrl, c + _PART * _GU_DONE, ran, len(gu_tasks[layer])):
+            fk.act_mul(gu[:n * hidden].reshape((n, hidden)), gu[n * hidden:].reshape((n, hidden)), relu2, f)
+            if has_ffn_sub:
+                fk.rmsnorm(f, ffn_sub[layer], eps, f_normed)
+            _quantize(f_normed, d_rev, qf, sf, qsumf, qtotf)
+            atomics.store(ctrl, c + _PART * _DOWN_IN, 1)
+        _wait(ctrl, c + _PART * _DOWN_IN)
+        ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], hidden // BLOCK,
+                             d_bstride, qf, qtotf, sf, d_scale[layer], down, kb_hidden, isum, acc)
+        if _last(ctrl, c + _PART * _DOWN_DONE, ran, len(d_tasks[layer])):
+            _add(xs, down)
+            if layer + 1 < n_layers:
+                fk.rmsnorm(xs, attn_norm[layer + 1], eps, h)
+                _quantize(h, qkv_rev, qd, sd, qsumd, qtotd)
+            atomics.store(ctrl, c + _PART * _LAYER_OUT, 1)
+
+
 @njit(parallel=True, cache=CACHE, error_model="numpy")
 def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarray, ffn_norm: np.ndarray,
                         ffn_sub: np.ndarray, has_attn_sub: bool, has_ffn_sub: bool, eps: float, relu2: bool,
@@ -163,58 +233,13 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
     per_layer = _PART * (_SHARES + 4 * n_parts)
     ctrl = _counters(per_layer * n_layers)
     rows = max(_most_rows(qkv_tasks[0], wo_tasks[0]), _most_rows(gu_tasks[0], d_tasks[0]))
-    for part in prange(n_parts):
-        isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, rows), np.int32)
-        for layer in range(n_layers):
-            c = layer * per_layer
-            share = c + _PART * _SHARES
-            if layer > 0:
-                _wait(ctrl, c - per_layer + _PART * _LAYER_OUT)
-            ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], dim // BLOCK, qkv_bstride, qd,
-                                 qtotd, sd, qkv_scale[layer], qkv, kb_dim, isum, acc)
-            if _last(ctrl, c + _PART * _QKV_DONE, ran, len(qkv_tasks[layer])):
-                k0, v0 = n * q_rows, n * (q_rows + kv_rows)
-                fk.rope(qkv[:k0].reshape((n, q_rows)), n_heads, head_dim, cos, sin, q_roped)
-                fk.rope(qkv[k0:v0].reshape((n, kv_rows)), n_kv_heads, head_dim, cos, sin, k_roped)
-                attn.store_kv(k_roped, qkv[v0:].reshape((n, kv_rows)), keys[layer], values[layer], slots, positions)
-                atomics.store(ctrl, c + _PART * _KV_STORED, 1)
-            _wait(ctrl, c + _PART * _KV_STORED)
-            ran = 0
-            while True:
-                head = atomics.fetch_add(ctrl, c + _PART * _NEXT_HEAD, 1)
-                if head >= n_kv_heads * n:
-                    break
-                attn.attend(head, q_roped, keys[layer], values[layer], slots, positions, n_heads, a)
-                ran += 1
-            if _last(ctrl, c + _PART * _HEADS_DONE, ran, n_kv_heads * n):
-                if has_attn_sub:
-                    fk.rmsnorm(a, attn_sub[layer], eps, a_normed)
-                _quantize(a_normed, wo_rev, qo, so, qsumo, qtoto)
-                atomics.store(ctrl, c + _PART * _WO_IN, 1)
-            _wait(ctrl, c + _PART * _WO_IN)
-            ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], q_rows // BLOCK,
-                                 wo_bstride, qo, qtoto, so, wo_scale[layer], attended, kb_q, isum, acc)
-            if _last(ctrl, c + _PART * _WO_DONE, ran, len(wo_tasks[layer])):
-                _add(xs, attended)
-                fk.rmsnorm(xs, ffn_norm[layer], eps, h)
-                _quantize(h, gu_rev, qd, sd, qsumd, qtotd)
-                atomics.store(ctrl, c + _PART * _GU_IN, 1)
-            _wait(ctrl, c + _PART * _GU_IN)
-            ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], dim // BLOCK,
-                                 gu_bstride, qd, qtotd, sd, gu_scale[layer], gu, kb_dim, isum, acc)
-            if _last(ctrl, c + _PART * _GU_DONE, ran, len(gu_tasks[layer])):
-                fk.act_mul(gu[:n * hidden].reshape((n, hidden)), gu[n * hidden:].reshape((n, hidden)), relu2, f)
-                if has_ffn_sub:
-                    fk.rmsnorm(f, ffn_sub[layer], eps, f_normed)
-                _quantize(f_normed, d_rev, qf, sf, qsumf, qtotf)
-                atomics.store(ctrl, c + _PART * _DOWN_IN, 1)
-            _wait(ctrl, c + _PART * _DOWN_IN)
-            ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], hidden // BLOCK,
-                                 d_bstride, qf, qtotf, sf, d_scale[layer], down, kb_hidden, isum, acc)
-            if _last(ctrl, c + _PART * _DOWN_DONE, ran, len(d_tasks[layer])):
-                _add(xs, down)
-                if layer + 1 < n_layers:
-                    fk.rmsnorm(xs, attn_norm[layer + 1], eps, h)
-                    _quantize(h, qkv_rev, qd, sd, qsumd, qtotd)
-                atomics.store(ctrl, c + _PART * _LAYER_OUT, 1)
+    for part in prange(n_parts):  # (a tuple holding arrays cannot enter numba's parallel loop: rebuilt inside)
+        _stack_part(part, n_parts, (
+            ctrl, rows, (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
+                         gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev),
+            (attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2),
+            (q_rows, kv_rows, hidden, n_heads, n_kv_heads, head_dim, kb_dim, kb_q, kb_hidden),
+            (cos, sin, keys, values, slots, positions),
+            (xs, h, qkv, q_roped, k_roped, a, a_normed, attended, gu, f, f_normed, down),
+            (qd, sd, qsumd, qtotd, qo, so, qsumo, qtoto, qf, sf, qsumf, qtotf)))
     return xs
