@@ -52,8 +52,19 @@ class GroupOffByOneUlp(ReferenceProvider):
         return q, np.nextafter(k, np.float32(np.inf)), v
 
 
+class StackWithoutLastFfn(ReferenceProvider):
+    def layer_stack(self, x, layers, *args):  # a fused stack that forgot the last layer's feed-forward half
+        return super().layer_stack(x, layers[:-1], *args) if len(layers) > 1 else super().layer_stack(x, layers, *args)
+
+
+class FfnOffByOneUlp(ReferenceProvider):
+    def ffn(self, *args):
+        return np.nextafter(super().ffn(*args), np.float32(np.inf))
+
+
 @pytest.mark.parametrize("broken, op", [(OffByOneRmsnorm, "rmsnorm"), (WrongRoundingBitlinear, "bitlinear"),
-                                        (CorruptQ8Scale, "lm_head_q8"), (GroupOffByOneUlp, "projection k")])
+                                        (CorruptQ8Scale, "lm_head_q8"), (GroupOffByOneUlp, "projection k"),
+                                        (StackWithoutLastFfn, "layer_stack"), (FfnOffByOneUlp, "layer_stack")])
 def test_kit_rejects_a_broken_kernel(broken, op):
     with pytest.raises(AssertionError, match=op):
         check_provider(broken())

@@ -28,8 +28,9 @@ def example_venv(tmp_path_factory) -> Path:
     parents = [p for p in site.getsitepackages() + [site.getusersitepackages()] if Path(p).is_dir()]
     (Path(purelib) / "_parent_env.pth").write_text(
         "".join(f"import site; site.addsitedir({p!r})\n" for p in parents))
-    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-deps",
-                    str(ROOT / "examples/bitnet-example")], check=True, capture_output=True)
+    r = subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-deps",
+                        str(ROOT / "examples/bitnet-example")], capture_output=True, text=True)
+    assert r.returncode == 0, f"pip could not install the example plugin: {r.stderr}"
     return venv
 
 

@@ -30,7 +30,7 @@ from bitnet.plugins.registry import Registry
 from bitnet.plugins.selection import select
 from bitnet.plugins.types import Backend, Device, ProbeResult
 from bitnet.runtime.fallback import kv_cache_for, place_weight
-from bitnet.runtime.provider import OPERATIONS, KernelProvider, native_operations
+from bitnet.runtime.provider import OPERATIONS, KernelProvider, LayerWeights, native_operations
 
 NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 
@@ -166,5 +166,49 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
             outs = [p.attention(p.upload_float(q), p.upload_float(k), p.upload_float(v), c, 1, s, pos, heads,
                                 kv_heads, head_dim) for p, c in zip((provider, ref), caches, strict=True)]
             same(f"attention[{kv_type}, slots={slots}, positions={list(pos)}]", *outs)
+    _check_layer_stack(provider, rng)
     assert provider.dispatches, "the provider recorded no kernel dispatch"
     return operation_support(provider)
+
+
+def _check_layer_stack(provider: KernelProvider, rng: np.random.Generator) -> None:
+    """`layer_stack`, with a provider's own `attention_block` and `ffn` inside it, gives the bits of the
+    operations one by one, step after step: a 3-token prompt, a decode step, two sequences' steps together;
+    with a scale per weight row (as I2_S) and sub-norms in one stack, a scale per block and none in the other."""
+    dim, heads, kv_heads, head_dim, hidden = 256, 4, 2, 64, 512
+
+    def weights(rows: int, cols: int, per_row: bool) -> Any:
+        w = _random_case(rng, 1, rows, cols)[1]
+        return from_values(w.values(), np.repeat(w.scales[:, :1], cols // 256, axis=1)) if per_row else w
+
+    def norm(n: int) -> Any:
+        return place_weight(provider, "rmsnorm", rng.uniform(0.5, 1.5, n).astype(np.float32))
+
+    for per_row in (True, False):
+        layers = [LayerWeights(norm(dim), provider.upload_ternary_group([weights(r, dim, per_row) for r in
+                                                                         (heads * head_dim, 128, 128)]),
+                               provider.upload_ternary(weights(dim, heads * head_dim, per_row)),
+                               norm(heads * head_dim) if per_row else None, norm(dim),
+                               provider.upload_ternary_group([weights(hidden, dim, per_row) for _ in "gu"]),
+                               provider.upload_ternary(weights(dim, hidden, per_row)),
+                               norm(hidden) if per_row else None) for _ in range(2)]
+        caches = [kv_cache_for(provider, 2, 8, kv_heads, head_dim, 2) for _ in "ab"]
+        for slots, positions in (([0, 0, 0], [0, 1, 2]), ([0], [3]), ([1, 0], [0, 4])):
+            x = provider.upload_float(rng.standard_normal((len(slots), dim)).astype(np.float32))
+            args = (np.array(slots, np.int32), np.array(positions, np.int32), heads, kv_heads, head_dim, 10000.0,
+                    1e-5, "relu2" if per_row else "silu", "row")
+            got = provider.to_host(provider.layer_stack(x, layers, caches[0], *args))
+            want = provider.to_host(_composed_stack(provider, x, layers, caches[1], *args))
+            assert np.array_equal(got, want), \
+                f"layer_stack (slots {slots}, positions {positions}) differs from its operations one by one"
+
+
+def _composed_stack(p: KernelProvider, x: Any, layers: list[LayerWeights], cache: Any, slots: np.ndarray,
+                    positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int, theta: float, eps: float,
+                    act: str, act_quant: str) -> Any:
+    """The stack as the provider's operations one by one: core's layer_stack, attention_block and ffn."""
+    for i, w in enumerate(layers):
+        x = KernelProvider.attention_block(p, x, w.attn_norm, w.qkv, w.attn_sub_norm, w.wo, cache, i, slots,
+                                           positions, n_heads, n_kv_heads, head_dim, theta, eps, act_quant)
+        x = KernelProvider.ffn(p, x, w.ffn_norm, w.gate_up, w.ffn_sub_norm, w.w_down, eps, act, act_quant)
+    return x
