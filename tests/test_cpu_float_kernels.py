@@ -5,6 +5,11 @@ reference stores (the int8 table, the KV cache's bits) is compared bit for bit."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from cpu_support import REF, one_by_one, rel_err, rows_at
@@ -127,6 +132,32 @@ def test_silu_holds_at_any_magnitude(cpu_float: CpuProvider) -> None:
         want = REF.act_mul(g, np.ones_like(g), "silu")
     got = cpu_float.act_mul(g, np.ones_like(g), "silu")
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-36)
+
+
+# A kernel numba compiles for a caller's first call inherits the caller's error model, and the disk cache keeps
+# that compile: act_mul under error_model="numpy" (as the layer stack's region) with fast-math's no-infs had
+# vectorized g / (1 + inf) into a reciprocal estimate that gives NaN.
+_SILU_IN_A_CALLER = """
+import sys
+import numpy as np
+from numba import njit
+from bitnet_cpu import float_kernels as fk
+
+@njit(error_model="numpy")
+def caller(g, u, out):
+    fk.act_mul(g, u, False, out)
+
+g = np.repeat(np.array([[-1e30, -200.0, -100.0, -88.5]], np.float32), 16, axis=1)  # whole vectors
+out = np.empty_like(g)
+caller(g, np.ones_like(g), out)
+sys.exit(0 if np.all(out == 0) else f"silu {out[0].tolist()}")
+"""
+
+
+def test_silu_holds_whichever_caller_compiles_it_first(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-c", _SILU_IN_A_CALLER], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("n", [1, 5])
