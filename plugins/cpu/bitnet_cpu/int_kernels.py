@@ -244,17 +244,15 @@ _row_sums, _block_sums = _make_sums(False, True), _make_sums(True, False)
 
 
 @njit(inline="always", cache=CACHE)
-def row_totals(qsum: np.ndarray) -> np.ndarray:
-    """Each token's sum of its block sums, float64 [n]: exact (|total| < 2**53), so float64(isum) - total is
+def row_totals(qsum: np.ndarray, qtot: np.ndarray) -> None:
+    """qtot[t] = token t's sum of its block sums, float64: exact (|total| < 2**53), so float64(isum) - total is
     float64(isum - total)."""
     n, nb = qsum.shape
-    qtot = np.empty(n, np.float64)
     for t in range(n):
         total = 0
         for b in range(nb):
             total += qsum[t, b]
         qtot[t] = total
-    return qtot
 
 
 @njit(inline="always", cache=CACHE)
@@ -300,7 +298,8 @@ def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsu
                     row_scale: np.ndarray, out: np.ndarray, wide_bytes: int) -> None:
     """out[t, r] = (sum(t*q) * row_scale[r]) / s[t]: "row" quantization, one weight scale per row
     (out flat, each array's [n, height] in turn; r a row of the stack)."""
-    qtot, kb = row_totals(qsum), column_blocks(nb, wide_bytes)
+    qtot, kb = np.empty(q.shape[0], np.float64), column_blocks(nb, wide_bytes)
+    row_totals(qsum, qtot)
     for task in prange(tasks.shape[0]):
         isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, tasks[task, 3] - tasks[task, 2]), np.int32)
         rowscale_task(tasks, task, nb, bstride, q, qtot, s, row_scale, out, kb, isum, acc)

@@ -75,13 +75,9 @@ def _activations(n: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 
 @njit(inline="always", cache=CACHE)
 def _quantize(x: np.ndarray, rev: bool, q: np.ndarray, s: np.ndarray, qsum: np.ndarray, qtot: np.ndarray) -> None:
-    """quantize_rows into room from _activations, and each row's total of its block sums (as row_totals)."""
+    """quantize_rows into room from _activations, and each row's total of its block sums."""
     quantize_rows(x, q, s, qsum, rev)
-    for t in range(x.shape[0]):
-        total = 0
-        for b in range(x.shape[1] // BLOCK):
-            total += qsum[t, b]
-        qtot[t] = total
+    row_totals(qsum, qtot)
 
 
 @njit(inline="always", cache=CACHE)
@@ -117,7 +113,7 @@ _SHARES = 11
 def _stack_part(part: int, n_parts: int, state: tuple) -> None:
     """One thread's way through layers_row_rowscale's layers: its arguments and buffers, grouped. A function of its
     own, called from the parallel loop: numba's parallel-loop passes over a body this size had compiled for 21 s
-    (of a first run's 49 s on an empty kernel cache, 33 s now)."""
+    (of a first run's 49 s on an empty kernel cache, 30 s now)."""
     ctrl, rows, weights, norms, dims, rope_cache, buffers, acts = state
     (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
      gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev) = weights

@@ -106,11 +106,11 @@ class PackedTernary:
 
 
 @functools.cache
-def _ours(cls: type, *ops: str) -> bool:
-    """Whether a layer's operations (ops, and the RMSNorm, BitLinear and add both halves make) are CpuProvider's own
-    in cls: the region would bypass a subclass's."""
+def _ours(cls: type) -> bool:
+    """Whether a layer's operations are CpuProvider's own in cls: the region would bypass a subclass's."""
     return all(getattr(cls, op) is getattr(CpuProvider, op)
-               for op in ("rmsnorm", "bitlinear_group", "bitlinear", "add", *ops))
+               for op in ("rmsnorm", "bitlinear_group", "bitlinear", "add", "rope", "attention", "act_mul",
+                          "attention_block", "ffn"))
 
 
 def _one_region_attention(dim: int, qkv: Any, wo: Any, q_rows: int, kv_rows: int) -> bool:
@@ -186,6 +186,8 @@ class _LayerStack:
                                  and _one_region_ffn(dim, w.gate_up, w.w_down) for w in layers):
             return None
         subs = {(w.attn_sub_norm is None, w.ffn_sub_norm is None) for w in layers}
+        if len(subs) != 1:
+            return None
         projections = []
         for name in ("qkv", "wo", "gate_up", "w_down"):
             ws = [getattr(w, name) for w in layers]
@@ -193,8 +195,6 @@ class _LayerStack:
                 return None
             projections.append((np.stack([w.tasks for w in ws]), ws[0].bstride,
                                 np.stack([w.row_scales for w in ws]).astype(np.float32), ws[0].fields_reversed))
-        if len(subs) != 1:
-            return None
 
         def norms(name: str) -> np.ndarray:
             if getattr(layers[0], name) is None:
@@ -283,13 +283,13 @@ class CpuProvider(ReferenceProvider):
     def layer_stack(self, x: Any, layers: Sequence[LayerWeights], cache: Any, slots: np.ndarray,
                     positions: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int, theta: float, eps: float,
                     act: str, act_quant: str) -> Any:
-        """One token with a scale per weight row ("row" quantization: I2_S, TQ2_0 with one scale a tensor) through
-        every layer in one parallel region (layer_regions.layers_row_rowscale); anything else as the operations
-        one by one, and so does a subclass that replaces one of them (its own act_mul, say), which the region
-        would bypass."""
+        """A few tokens (up to _STACK_TOKENS) with a scale per weight row ("row" quantization: I2_S, TQ2_0 with one
+        scale a tensor) through every layer in one parallel region (layer_regions.layers_row_rowscale); anything
+        else as the operations one by one, and so does a subclass that replaces one of them (its own act_mul,
+        say), which the region would bypass."""
         keys, values = _head_major(cache.k), _head_major(cache.v)
         stack = None
-        if (_ours(type(self), "rope", "attention", "act_mul", "attention_block", "ffn") and 1 <= len(x) <= _STACK_TOKENS
+        if (_ours(type(self)) and 1 <= len(x) <= _STACK_TOKENS
                 and act_quant == "row" and act in ACTIVATIONS
                 and keys.flags.c_contiguous and values.flags.c_contiguous):
             stack = self._stack_of(layers, np.shape(x)[1], n_heads * head_dim, n_kv_heads * head_dim)
@@ -300,7 +300,7 @@ class CpuProvider(ReferenceProvider):
         self._use_threads()
         slots, positions = np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(positions, np.int32)
         check_slots(cache, slots, positions, len(x))
-        _, cos, sin = self._rope_angles(positions, head_dim, theta)
+        cos, sin = self._rope_angles(positions, head_dim, theta)
         return self._tk.layers_row_rowscale(
             np.ascontiguousarray(x, np.float32), *stack.norms, float(eps), act == "relu2", *stack.qkv, *stack.wo,
             *stack.gate_up, *stack.down, n_heads * head_dim, n_kv_heads * head_dim, stack.hidden, cos, sin, keys,
@@ -415,18 +415,18 @@ class CpuProvider(ReferenceProvider):
     def rope(self, x: Any, n_heads: int, head_dim: int, positions: np.ndarray, theta: float) -> Any:
         self.record("cpu.rope")
         x = np.ascontiguousarray(x, dtype=np.float32)
-        _, cos, sin = self._rope_angles(np.ascontiguousarray(positions, np.int32), head_dim, theta)
+        cos, sin = self._rope_angles(np.ascontiguousarray(positions, np.int32), head_dim, theta)
         out = np.empty_like(x)
         fk.rope(x, n_heads, head_dim, cos, sin, out)
         return out
 
-    def _rope_angles(self, positions: np.ndarray, head_dim: int, theta: float) -> tuple[Any, np.ndarray, np.ndarray]:
-        """(key, cos, sin) of the positions. Every layer's Q and K turn by the same angles: computed once per
+    def _rope_angles(self, positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of the positions. Every layer's Q and K turn by the same angles: computed once per
         forward pass (sin and cos were 0.3 ms of each of a 128-token prefill's 60 calls)."""
         key = (positions.tobytes(), head_dim, float(theta))
         if self._rope is None or self._rope[0] != key:
             self._rope = (key, *fk.rope_table(positions, head_dim, float(theta)))
-        return self._rope
+        return self._rope[1], self._rope[2]
 
     def add(self, a: Any, b: Any) -> Any:
         self.record("cpu.add")
