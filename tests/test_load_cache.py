@@ -313,3 +313,22 @@ def test_map_pages_maps_what_a_hit_did_not_read(cache: Path, tmp_path: Path) -> 
             # (the hit's header read maps ~1 MB beyond the header already, some of it codes)
             assert 0.7 * codes <= grew < codes + m.token_embd.nbytes / 4
         del m
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_map_pages_maps_the_int8_head_it_is_given(cache: Path, tmp_path: Path) -> None:
+    """An int8 head mapped from its cache is a 2-D array of another file: map_pages faults in its every
+    page too, not one row per 4 KB."""
+    from bitnet.modelfile.model import map_pages
+
+    m = load_model(write(tmp_path / "m.gguf", weight_type="i2_s", dim=256, ffn_dim=256, n_heads=4, n_kv_heads=4,
+                         vocab_size=512))
+    head = np.memmap(tmp_path / "head.bin", np.int8, mode="w+", shape=(4096, 2560))
+    head[:] = 1
+    head.flush()
+    del head
+    head = np.memmap(tmp_path / "head.bin", np.int8, mode="c", shape=(4096, 2560))
+    map_pages(m, False).join()
+    before = _rss_file_kb()
+    map_pages(m, False, [head]).join()
+    assert (_rss_file_kb() - before) * 1024 >= 0.9 * head.nbytes

@@ -13,7 +13,7 @@ import mmap
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -441,9 +441,10 @@ def release_pages(a: np.ndarray) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def map_pages(model: Model, float_head: bool = True) -> threading.Thread:
-    """Fault in the file pages of every tensor the model uses in place, on a thread of its own: one
-    NumPy read per 4 KB page, without the GIL. Join it before the first forward pass.
+def map_pages(model: Model, float_head: bool = True, also: Sequence[np.ndarray] = ()) -> threading.Thread:
+    """Fault in the file pages of every tensor the model uses in place, and of the mapped arrays in `also`
+    (an int8 LM head mapped from its cache), on a thread of its own: one NumPy read per 4 KB page, without
+    the GIL. Join it before the first forward pass.
 
     A file the load cache knows is not read during load_model, so without this its page faults
     (~0.08 s of one core for 1.1 GB) would land in the first token. (llama.cpp maps its file with
@@ -453,7 +454,7 @@ def map_pages(model: Model, float_head: bool = True) -> threading.Thread:
     """
     spans: dict[int, tuple[np.memmap, list[tuple[int, int]]]] = {}  # per mapped file: byte ranges
     tables = [model.token_embd, model.output] if float_head else []
-    arrays = [*tables, *(getattr(layer, field).codes for layer in model.layers for field, _ in _PROJECTIONS)]
+    arrays = [*tables, *(getattr(layer, field).codes for layer in model.layers for field, _ in _PROJECTIONS), *also]
     for a in arrays:
         span = mapped_span(a) if isinstance(a, np.ndarray) else None
         if span is not None:
@@ -467,7 +468,7 @@ def map_pages(model: Model, float_head: bool = True) -> threading.Thread:
                 merged[-1][1] = max(merged[-1][1], hi)
             else:
                 merged.append([lo, hi])
-        regions += [(base.view(np.ndarray), lo, hi) for lo, hi in merged]
+        regions += [(base.view(np.ndarray).reshape(-1).view(np.uint8), lo, hi) for lo, hi in merged]  # bytes
 
     def touch() -> None:
         for plain, lo, hi in regions:
