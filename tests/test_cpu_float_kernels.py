@@ -93,11 +93,11 @@ def test_attention_prefill_then_decode(cpu_float: CpuProvider, kv_type: str) -> 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 def test_attention_over_a_long_row_with_head_and_column_tails(cpu_float: CpuProvider, kv_type: str) -> None:
     # 7 query heads per KV head (chunks of 4, 2 and 1), 124 columns (each chunk's widest value pass, then
-    # narrower ones, then 4 single columns; 7 score steps of 16, then 12 single columns) and 150 positions
-    # (three blocks of the values pass, the last part-filled): the reference's result, and a prefill's
-    # last rows are what decoding them gives.
-    heads, kv_heads, hd, n = 14, 2, 124, 150
-    assert n > 2 * attn._SUM_BLOCK
+    # narrower ones, then 4 single columns; 7 score steps of 16, then 12 single columns) and 2 * CHUNK + 150
+    # positions (rows of one, two and three parts, each of blocks of the values pass, the last part-filled):
+    # the reference's result, and a prefill's last rows are what decoding them gives.
+    heads, kv_heads, hd, n = 14, 2, 124, 2 * attn.CHUNK + 150
+    assert attn.CHUNK > 2 * attn._SUM_BLOCK
     rng = np.random.default_rng(9)
     q = rng.standard_normal((n, heads * hd)).astype(np.float32) * 3
     k = rng.standard_normal((n, kv_heads * hd)).astype(np.float32)

@@ -254,6 +254,28 @@ def test_a_few_tokens_run_through_the_layers_in_one_region_as_their_operations_w
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_a_long_sequences_attention_in_parts_runs_in_the_region_as_the_operation_would(
+        cpu: CpuProvider, kv_type: str) -> None:
+    # A sequence past 2 * CHUNK positions (its attention in three parts a head) beside a short one.
+    from bitnet_cpu import attention as attn
+
+    rng = np.random.default_rng(29)
+    layers = layer_stack(cpu, rng, 2, "i2_s", True)
+    n_ctx = 2 * attn.CHUNK + 32
+    caches = [cpu.kv_cache(2, n_ctx, 2, 128, 2, kv_type) for _ in "ab"]
+    for name in "kv":
+        filled = rng.standard_normal(getattr(caches[0], name).shape)
+        for c in caches:
+            getattr(c, name)[...] = filled if kv_type == "f32" else filled.astype(np.float16).view(np.uint16)
+    x = (rng.standard_normal((2, 512)) * 3).astype(np.float32)
+    slots, positions = [0, 1], [n_ctx - 5, 7]
+    got = run_stack(cpu, layers, x, caches[0], slots, positions, "relu2")
+    want = run_stack(cpu, layers, x, caches[1], slots, positions, "relu2", own=False)
+    assert cpu.dispatches["cpu.layer_stack_rowscale_row"] == 1
+    np.testing.assert_array_equal(got, want)
+
+
 def test_layers_the_region_cannot_run_run_as_their_operations() -> None:
     cpu, rng = provider(2, LEVELS[0]), np.random.default_rng(19)
     per_block = layer_stack(cpu, rng, 2, "tq2_0", True, block_scales=True)

@@ -209,8 +209,12 @@ def _make_attention_loops(half: bool) -> tuple[Any, Any, Any]:
 
 (_scores_half, _scores2_half, _wsum_half), (_scores_float, _scores2_float, _wsum_float) = (
     _make_attention_loops(True), _make_attention_loops(False))
-_KEYS_AHEAD = 8  # key rows requested ahead of the scores (see attention)
+_KEYS_AHEAD = 8  # key rows requested ahead of the scores (see attend)
 _SUM_BLOCK = 64  # positions per pass over the values: their rows stay in L1/L2 across the column passes
+# Positions per task at most: a row's positions beyond it split into equal parts, each a task of its own, whose
+# partial sums `combine` joins. One decode token's 5 KV heads (2B-4T) had made 3 tasks on one thread and 2 on
+# the other, each a single stream of reads from memory.
+CHUNK = 256
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -222,18 +226,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
 
     Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
     h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. A task is a
-    row and a KV head with the query heads that share it: each cached key and value is read once
-    for all of them (from memory, once the context outgrows the caches), not once per head, and each
-    F16 vector is converted once for all of them. The scores are `emit_scores`' 16-lane dots, two key rows
-    a call, and the weighted values `emit_weighted_sum`'s, in LLVM IR, for chunks of 4, 2 or 1 query heads:
-    numba's loops had loaded both operands of every FMA (the score dots) or the sums of every head (the
-    values pass), and ran at ~9 G FMA/s on Zen 1. A row's result never depends on the rows beside it.
+    row and a KV head with the query heads that share it, over at most CHUNK of its positions: each cached key
+    and value is read once for all of them (from memory, once the context outgrows the caches), not once per
+    head, and each F16 vector is converted once for all of them. The scores are `emit_scores`' 16-lane dots,
+    two key rows a call, and the weighted values `emit_weighted_sum`'s, in LLVM IR, for chunks of 4, 2 or 1
+    query heads: numba's loops had loaded both operands of every FMA (the score dots) or the sums of every
+    head (the values pass), and ran at ~9 G FMA/s on Zen 1. Where a row is more than one task, `combine`
+    joins its parts. The parts of a row depend on its length only, so its result never depends on the rows
+    beside it or on the threads.
     """
-    n = q.shape[0]
-    n_kv = keys.shape[1]
     store_kv(k, v, keys, values, slots, positions)
-    for task in prange(n_kv * n):
-        attend(task, q, keys, values, slots, positions, n_heads, out)
+    tasks = attention_tasks(positions, keys.shape[1])
+    part_o, part_top, part_den = part_buffers(tasks, n_heads // keys.shape[1], keys.shape[3])
+    for task in prange(len(tasks)):
+        attend(task, tasks, q, keys, values, slots, positions, n_heads, out, part_o, part_top, part_den)
+    combine(tasks, part_o, part_top, part_den, out)
 
 
 @njit(inline="always", cache=True)
@@ -254,32 +261,69 @@ def store_kv(k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray,
                 vd[d] = _stored_as(vs[d], like_v)
 
 
+@njit(cache=True)
+def attention_tasks(positions: np.ndarray, n_kv: int) -> np.ndarray:
+    """The tasks [n_tasks, 4] of attention: KV head, row, first and end position; by KV head, then row, then
+    position, so a row's parts are consecutive and the tasks after one read the same head's rows."""
+    n = len(positions)
+    count = 0
+    for t in range(n):
+        count += -(-(positions[t] + 1) // CHUNK)
+    tasks = np.empty((n_kv * count, 4), np.int64)
+    i = 0
+    for kv in range(n_kv):
+        for t in range(n):
+            total = positions[t] + 1
+            m = -(-total // CHUNK)
+            for c in range(m):
+                tasks[i, 0], tasks[i, 1], tasks[i, 2], tasks[i, 3] = kv, t, c * total // m, (c + 1) * total // m
+                i += 1
+    return tasks
+
+
+@njit(inline="always", cache=True)
+def part_buffers(tasks: np.ndarray, group: int, hd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Room for what the tasks of rows in parts leave `combine`: per task and query head of the group, the
+    unnormalized weighted values [n_tasks, group, hd] (float32), the scores' maximum [n_tasks, group] (float32)
+    and the softmax denominator [n_tasks, group] (float64). Empty when every row is one task (a plain loop:
+    under parallel=True an array expression is a parallel loop of its own, a fork and a join more)."""
+    m = 0
+    for i in range(len(tasks)):
+        if tasks[i, 2] > 0:
+            m = len(tasks)
+    return np.empty((m, group, hd), np.float32), np.empty((m, group), np.float32), np.empty((m, group))
+
+
 @njit(fastmath=True, cache=True)
-def attend(task: int, q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-           n_heads: int, out: np.ndarray) -> None:
-    """One task of attention (see there): row task % n, KV head task // n, with the query heads that share it.
-    A function of its own, called, not inlined: its fast-math flags stay its own in any caller."""
-    n = q.shape[0]
+def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
+           positions: np.ndarray, n_heads: int, out: np.ndarray, part_o: np.ndarray, part_top: np.ndarray,
+           part_den: np.ndarray) -> None:
+    """Task `task` of attention_tasks (see attention): a KV head and a row, with the query heads that share
+    the head, over a span of the row's positions. A row in one task is written to `out`; a part of one leaves
+    its sums in part_o, part_top and part_den (see part_buffers). A function of its own, called, not inlined:
+    its fast-math flags stay its own in any caller."""
     n_kv, hd = keys.shape[1], keys.shape[3]
     group = n_heads // n_kv
     scale = np.float32(1.0 / np.sqrt(hd))
-    kv, t = task // n, task % n
-    slot, total = slots[t], positions[t] + 1
-    ks, vs = keys[slot, kv], values[slot, kv]
+    kv, t, p0, p1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
+    span = p1 - p0
+    ks, vs = keys[slots[t], kv], values[slots[t], kv]
     # Flat 1-D loops over views (as the stores above): 2-D indexing here had stayed scalar.
     qg, qs = np.empty(group * hd, np.float32), q[t, kv * group * hd:(kv + 1) * group * hd]
     for i in range(group * hd):
         qg[i] = qs[i] * scale
-    scores, bits = np.empty((group, total), np.float32), np.empty(total, np.int32)
+    scores, bits = np.empty((group, span), np.float32), np.empty(span, np.int32)
     kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
-    # The next task's key and value rows (its first `total`: decoding sequences are about as long) are
-    # requested during this one's scores, so it starts from L2, not memory; unless it reads the same rows
-    # (a prompt's next token). A B=8 step at 48 positions on a Zen 5, one thread: attention 2.7-3.1 ->
-    # 2.3-2.5 ms; one sequence at 512 positions 2.6-2.8 -> 2.3-2.4 ms.
-    nxt = min(task + 1, n_kv * n - 1)
-    nks, nvs = keys[slots[nxt % n], nxt // n], values[slots[nxt % n], nxt // n]
-    other = nks.ctypes.data != ks.ctypes.data
-    for p in range(0, total, 2):
+    # The next task's key and value rows (its first `span`: decoding sequences are about as long, and a row's
+    # parts are) are requested during this one's scores, so it starts from L2, not memory; unless it reads
+    # the same rows (a prompt's next token). A B=8 step at 48 positions on a Zen 5, one thread: attention
+    # 2.7-3.1 -> 2.3-2.5 ms; one sequence at 512 positions 2.6-2.8 -> 2.3-2.4 ms.
+    nxt = min(task + 1, len(tasks) - 1)
+    nks = keys[slots[tasks[nxt, 1]], tasks[nxt, 0]].ctypes.data + tasks[nxt, 2] * kstride
+    nvs = values[slots[tasks[nxt, 1]], tasks[nxt, 0]].ctypes.data + tasks[nxt, 2] * vstride
+    k0, v0 = ks.ctypes.data + p0 * kstride, vs.ctypes.data + p0 * vstride
+    other = nks != k0
+    for p in range(0, span, 2):
         # Positions p, p + 1's value rows are requested into the caches now, with the key rows, so the
         # values pass below reads them from cache, not memory (5-10 % less attention time at 1024
         # positions); and the key rows _KEYS_AHEAD on, about 0.2 us of scores away (one row on was too
@@ -287,42 +331,82 @@ def attend(task: int, q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots
         # 2.4-2.9 ms; 16 on did as well).
         for r in range(p, p + 2):
             for c in range(0, hd * vs.itemsize, 64):
-                prefetch_keep(vs.ctypes.data + r * vstride + c)
-                prefetch_keep(ks.ctypes.data + (r + _KEYS_AHEAD) * kstride + c)
+                prefetch_keep(v0 + r * vstride + c)
+                prefetch_keep(k0 + (r + _KEYS_AHEAD) * kstride + c)
                 if other:
-                    prefetch_keep(nks.ctypes.data + r * kstride + c)
-                    prefetch_keep(nvs.ctypes.data + r * vstride + c)
-        args = (ks.ctypes.data + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group,
-                scores.ctypes.data + p * 4, sstride)
-        if p + 1 == total and ks.itemsize == 2:
+                    prefetch_keep(nks + r * kstride + c)
+                    prefetch_keep(nvs + r * vstride + c)
+        args = (k0 + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group, scores.ctypes.data + p * 4, sstride)
+        if p + 1 == span and ks.itemsize == 2:
             _scores_half(*args)
-        elif p + 1 == total:
+        elif p + 1 == span:
             _scores_float(*args)
         elif ks.itemsize == 2:
             _scores2_half(*args)
         else:
             _scores2_float(*args)
-    inv = np.empty(group, np.float32)
+    tops, dens = np.empty(group, np.float32), np.empty(group)
     for g in range(group):
         sg = scores[g]
         top = np.float32(-np.inf)
-        for p in range(total):
+        for p in range(span):
             top = max(top, sg[p])
         exp_shifted(sg, top, bits)
         den = 0.0
-        for p in range(total):
+        for p in range(span):
             den += sg[p]
-        inv[g] = np.float32(1.0 / den)
+        tops[g], dens[g] = top, den
     o = np.zeros((group, hd), np.float32)
-    for p0 in range(0, total, _SUM_BLOCK):
-        args = (vs.ctypes.data + p0 * vstride, vstride, min(_SUM_BLOCK, total - p0), hd,
-                scores.ctypes.data + p0 * 4, sstride, group, o.ctypes.data, hd * 4)
+    for b0 in range(0, span, _SUM_BLOCK):
+        args = (v0 + b0 * vstride, vstride, min(_SUM_BLOCK, span - b0), hd, scores.ctypes.data + b0 * 4, sstride,
+                group, o.ctypes.data, hd * 4)
         if vs.itemsize == 2:
             _wsum_half(*args)
         else:
             _wsum_float(*args)
-    dst = out[t, kv * group * hd:(kv + 1) * group * hd]
-    for g in range(group):
-        og, dg, ig = o[g], dst[g * hd:(g + 1) * hd], inv[g]
-        for d in range(hd):
-            dg[d] = og[d] * ig
+    if p0 == 0 and p1 == positions[t] + 1:  # the whole row
+        dst = out[t, kv * group * hd:(kv + 1) * group * hd]
+        for g in range(group):
+            og, dg, ig = o[g], dst[g * hd:(g + 1) * hd], np.float32(1.0 / dens[g])
+            for d in range(hd):
+                dg[d] = og[d] * ig
+    else:
+        part_o[task] = o
+        part_top[task] = tops
+        part_den[task] = dens
+
+
+@njit(cache=True)
+def combine(tasks: np.ndarray, part_o: np.ndarray, part_top: np.ndarray, part_den: np.ndarray,
+            out: np.ndarray) -> None:
+    """The rows of attention in parts (see attend) into out: each part's sums rescaled to the row's largest
+    score, in float64, parts in order."""
+    if len(part_o) == 0:
+        return
+    group, hd = part_o.shape[1], part_o.shape[2]
+    acc = np.empty(hd)
+    i = 0
+    while i < len(tasks):
+        kv, t = tasks[i, 0], tasks[i, 1]
+        j = i + 1
+        while j < len(tasks) and tasks[j, 0] == kv and tasks[j, 1] == t:
+            j += 1
+        if j - i > 1:
+            w = np.empty(j - i)
+            for g in range(group):
+                top = part_top[i, g]
+                for c in range(i + 1, j):
+                    top = max(top, part_top[c, g])
+                den = 0.0
+                for c in range(i, j):
+                    w[c - i] = np.exp(np.float64(part_top[c, g]) - np.float64(top))
+                    den += part_den[c, g] * w[c - i]
+                dst = out[t, (kv * group + g) * hd:(kv * group + g + 1) * hd]
+                acc[:] = 0.0
+                for c in range(i, j):  # part by part, each column's sum in part order; the column loop vectorizes
+                    oc, wc = part_o[c, g], w[c - i]
+                    for d in range(hd):
+                        acc[d] += np.float64(oc[d]) * wc
+                for d in range(hd):
+                    dst[d] = np.float32(acc[d] / den)
+        i = j

@@ -119,7 +119,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
      gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev) = weights
     attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2 = norms
     q_rows, kv_rows, hidden, n_heads, n_kv_heads, head_dim, kb_dim, kb_q, kb_hidden = dims
-    cos, sin, keys, values, slots, positions = rope_cache
+    cos, sin, keys, values, slots, positions, att_tasks, part_o, part_top, part_den = rope_cache
     xs, h, qkv, q_roped, k_roped, a, a_normed, attended, gu, f, f_normed, down = buffers
     qd, sd, qsumd, qtotd, qo, so, qsumo, qtoto, qf, sf, qsumf, qtotf = acts
     (n, dim), n_layers = xs.shape, qkv_tasks.shape[0]
@@ -141,12 +141,14 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
         _wait(ctrl, c + _PART * _KV_STORED)
         ran = 0
         while True:
-            head = atomics.fetch_add(ctrl, c + _PART * _NEXT_HEAD, 1)
-            if head >= n_kv_heads * n:
+            task = atomics.fetch_add(ctrl, c + _PART * _NEXT_HEAD, 1)
+            if task >= len(att_tasks):
                 break
-            attn.attend(head, q_roped, keys[layer], values[layer], slots, positions, n_heads, a)
+            attn.attend(task, att_tasks, q_roped, keys[layer], values[layer], slots, positions, n_heads, a, part_o,
+                        part_top, part_den)
             ran += 1
-        if _last(ctrl, c + _PART * _HEADS_DONE, ran, n_kv_heads * n):
+        if _last(ctrl, c + _PART * _HEADS_DONE, ran, len(att_tasks)):
+            attn.combine(att_tasks, part_o, part_top, part_den, a)
             if has_attn_sub:
                 fk.rmsnorm(a, attn_sub[layer], eps, a_normed)
             _quantize(a_normed, wo_rev, qo, so, qsumo, qtoto)
@@ -197,13 +199,14 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
     head_dim]. A task runs every token through its rows, as matmul_rowscale's (rowscale_task).
 
     n_parts threads enter one region. In each of a layer's five phases (Q/K/V's tasks, the attention tasks (a
-    token and a KV head each), wo's tasks, gate/up's, down's) they claim tasks through counters
-    (`_claimed_tasks`); whoever finishes a phase's last task does the serial step that follows (rope and the
-    cache's stores; sub-norm and wo's input; the residual add, RMSNorm and gate/up's input; act, sub-norm and
-    down's input; the add and the next layer's input), then raises a flag the others wait on. A thread that
-    arrives late finds less (or nothing) to claim, and one that never arrives is not waited for, so a busy
-    co-tenant costs what it costs TBB's calls: a thread only waits for work another has claimed. Each buffer is
-    rewritten only by a serial step after every task that read it is done.
+    token and a KV head each, over up to attention.CHUNK positions), wo's tasks, gate/up's, down's) they claim
+    tasks through counters (`_claimed_tasks`); whoever finishes a phase's last task does the serial step that
+    follows (rope and the cache's stores; the parts of attention joined, sub-norm and wo's input; the residual
+    add, RMSNorm and gate/up's input; act, sub-norm and down's input; the add and the next layer's input), then
+    raises a flag the others wait on. A thread that arrives late finds less (or nothing) to claim, and one that
+    never arrives is not waited for, so a busy co-tenant costs what it costs TBB's calls: a thread only waits
+    for work another has claimed. Each buffer is rewritten only by a serial step after every task that read it
+    is done.
     """
     (n, dim), n_layers = x.shape, qkv_tasks.shape[0]
     xs, h = np.empty_like(x), np.empty_like(x)
@@ -229,13 +232,15 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
     per_layer = _PART * (_SHARES + 4 * n_parts)
     ctrl = _counters(per_layer * n_layers)
     rows = max(_most_rows(qkv_tasks[0], wo_tasks[0]), _most_rows(gu_tasks[0], d_tasks[0]))
+    att_tasks = attn.attention_tasks(positions, n_kv_heads)
+    part_o, part_top, part_den = attn.part_buffers(att_tasks, n_heads // n_kv_heads, head_dim)
     for part in prange(n_parts):  # (a tuple holding arrays cannot enter numba's parallel loop: rebuilt inside)
         _stack_part(part, n_parts, (
             ctrl, rows, (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
                          gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev),
             (attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2),
             (q_rows, kv_rows, hidden, n_heads, n_kv_heads, head_dim, kb_dim, kb_q, kb_hidden),
-            (cos, sin, keys, values, slots, positions),
+            (cos, sin, keys, values, slots, positions, att_tasks, part_o, part_top, part_den),
             (xs, h, qkv, q_roped, k_roped, a, a_normed, attended, gu, f, f_normed, down),
             (qd, sd, qsumd, qtotd, qo, so, qsumo, qtoto, qf, sf, qsumf, qtotf)))
     return xs
