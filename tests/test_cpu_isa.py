@@ -224,3 +224,17 @@ def test_wide_bytes_is_two_thirds_of_the_l1_data_cache(tmp_path: Path) -> None:
     assert isa.l1_data_bytes.__wrapped__(str(tmp_path)) == 48 << 10  # the data cache, not the instruction one
     assert isa.l1_data_bytes.__wrapped__(str(tmp_path / "none")) == 32 << 10
     assert isa.wide_bytes() == isa.l1_data_bytes() * 2 // 3
+
+
+@pytest.mark.parametrize("edited", ["dot_ir.py", "attention.py", "float_kernels.py", "atomics.py"])
+def test_an_edit_to_a_file_compiled_into_the_int_kernels_misses_their_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edited: str) -> None:
+    # numba keys each cached function to its own file; the layer region inlines attention's and the float
+    # kernels' functions, so their edits must change the cache directory.
+    for name in ("dot_ir.py", "attention.py", "float_kernels.py", "atomics.py"):
+        (tmp_path / name).write_bytes((isa._HERE / name).read_bytes())
+    monkeypatch.setattr(isa, "_HERE", tmp_path)
+    before = Path(str(isa.cache_dir("generic"))).name
+    with open(tmp_path / edited, "a") as f:
+        f.write("\n# edited\n")
+    assert Path(str(isa.cache_dir("generic"))).name != before

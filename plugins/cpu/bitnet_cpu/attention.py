@@ -211,10 +211,12 @@ def _make_attention_loops(half: bool) -> tuple[Any, Any, Any]:
     _make_attention_loops(True), _make_attention_loops(False))
 _KEYS_AHEAD = 8  # key rows requested ahead of the scores (see attend)
 _SUM_BLOCK = 64  # positions per pass over the values: their rows stay in L1/L2 across the column passes
-# Positions per task at most: a row's positions beyond it split into equal parts, each a task of its own, whose
-# partial sums `combine` joins. One decode token's 5 KV heads (2B-4T) had made 3 tasks on one thread and 2 on
-# the other, each a single stream of reads from memory.
+# Positions of a row per part at most: a longer row is split into equal parts, whose sums `_join` puts together.
+# Up to SPLIT_ROWS rows (a decode step's sequences), each part is a task of its own: one decode token's 5 KV heads
+# (2B-4T) had made 3 tasks on one thread and 2 on the other. A prompt's rows are many tasks already: each is
+# one task, its parts run in turn (the same sums: a row's result does not depend on how it ran).
 CHUNK = 256
+SPLIT_ROWS = 8
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -226,14 +228,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
 
     Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
     h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. A task is a
-    row and a KV head with the query heads that share it, over at most CHUNK of its positions: each cached key
+    row and a KV head with the query heads that share it, or a part of such a row (see CHUNK): each cached key
     and value is read once for all of them (from memory, once the context outgrows the caches), not once per
     head, and each F16 vector is converted once for all of them. The scores are `emit_scores`' 16-lane dots,
     two key rows a call, and the weighted values `emit_weighted_sum`'s, in LLVM IR, for chunks of 4, 2 or 1
     query heads: numba's loops had loaded both operands of every FMA (the score dots) or the sums of every
-    head (the values pass), and ran at ~9 G FMA/s on Zen 1. Where a row is more than one task, `combine`
-    joins its parts. The parts of a row depend on its length only, so its result never depends on the rows
-    beside it or on the threads.
+    head (the values pass), and ran at ~9 G FMA/s on Zen 1. The parts of a row depend on its length only,
+    and are joined in one order whichever task ran them, so its result never depends on the rows beside it
+    or on the threads.
     """
     store_kv(k, v, keys, values, slots, positions)
     tasks = attention_tasks(positions, keys.shape[1])
@@ -261,31 +263,44 @@ def store_kv(k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray,
                 vd[d] = _stored_as(vs[d], like_v)
 
 
+@njit(inline="always", cache=True)
+def _parts_of(total: int) -> int:
+    return -(-total // CHUNK)
+
+
+@njit(inline="always", cache=True)
+def _part_start(total: int, c: int) -> int:
+    """Where part c of a row of `total` positions starts (its end: part c + 1's start)."""
+    return c * total // _parts_of(total)
+
+
 @njit(cache=True)
 def attention_tasks(positions: np.ndarray, n_kv: int) -> np.ndarray:
     """The tasks [n_tasks, 4] of attention: KV head, row, first and end position; by KV head, then row, then
-    position, so a row's parts are consecutive and the tasks after one read the same head's rows."""
+    position, so a row's parts are consecutive and the tasks after one read the same head's rows. Rows in
+    parts when there are up to SPLIT_ROWS of them, else whole (a plain loop: see part_buffers)."""
     n = len(positions)
     count = 0
     for t in range(n):
-        count += -(-(positions[t] + 1) // CHUNK)
+        count += _parts_of(positions[t] + 1) if n <= SPLIT_ROWS else 1
     tasks = np.empty((n_kv * count, 4), np.int64)
     i = 0
     for kv in range(n_kv):
         for t in range(n):
             total = positions[t] + 1
-            m = -(-total // CHUNK)
+            m = _parts_of(total) if n <= SPLIT_ROWS else 1
             for c in range(m):
-                tasks[i, 0], tasks[i, 1], tasks[i, 2], tasks[i, 3] = kv, t, c * total // m, (c + 1) * total // m
+                tasks[i, 0], tasks[i, 1] = kv, t
+                tasks[i, 2], tasks[i, 3] = (_part_start(total, c), _part_start(total, c + 1)) if m > 1 else (0, total)
                 i += 1
     return tasks
 
 
 @njit(inline="always", cache=True)
 def part_buffers(tasks: np.ndarray, group: int, hd: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Room for what the tasks of rows in parts leave `combine`: per task and query head of the group, the
+    """Room for what tasks that are parts of a row leave `combine`: per task and query head of the group, the
     unnormalized weighted values [n_tasks, group, hd] (float32), the scores' maximum [n_tasks, group] (float32)
-    and the softmax denominator [n_tasks, group] (float64). Empty when every row is one task (a plain loop:
+    and the softmax denominator [n_tasks, group] (float64). Empty when every task is a whole row (a plain loop:
     under parallel=True an array expression is a parallel loop of its own, a fork and a join more)."""
     m = 0
     for i in range(len(tasks)):
@@ -299,30 +314,58 @@ def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values
            positions: np.ndarray, n_heads: int, out: np.ndarray, part_o: np.ndarray, part_top: np.ndarray,
            part_den: np.ndarray) -> None:
     """Task `task` of attention_tasks (see attention): a KV head and a row, with the query heads that share
-    the head, over a span of the row's positions. A row in one task is written to `out`; a part of one leaves
-    its sums in part_o, part_top and part_den (see part_buffers). A function of its own, called, not inlined:
-    its fast-math flags stay its own in any caller."""
+    the head, over the whole row (written to `out`, its parts in turn) or one part of it (its sums left in
+    part_o, part_top and part_den: see part_buffers). A function of its own, called, not inlined: its
+    fast-math flags stay its own in any caller."""
     n_kv, hd = keys.shape[1], keys.shape[3]
     group = n_heads // n_kv
     scale = np.float32(1.0 / np.sqrt(hd))
     kv, t, p0, p1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
-    span = p1 - p0
+    total = positions[t] + 1
     ks, vs = keys[slots[t], kv], values[slots[t], kv]
     # Flat 1-D loops over views (as the stores above): 2-D indexing here had stayed scalar.
     qg, qs = np.empty(group * hd, np.float32), q[t, kv * group * hd:(kv + 1) * group * hd]
     for i in range(group * hd):
         qg[i] = qs[i] * scale
-    scores, bits = np.empty((group, span), np.float32), np.empty(span, np.int32)
-    kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
-    # The next task's key and value rows (its first `span`: decoding sequences are about as long, and a row's
+    # The next task's key and value rows (from its first: decoding sequences are about as long, and a row's
     # parts are) are requested during this one's scores, so it starts from L2, not memory; unless it reads
     # the same rows (a prompt's next token). A B=8 step at 48 positions on a Zen 5, one thread: attention
     # 2.7-3.1 -> 2.3-2.5 ms; one sequence at 512 positions 2.6-2.8 -> 2.3-2.4 ms.
     nxt = min(task + 1, len(tasks) - 1)
-    nks = keys[slots[tasks[nxt, 1]], tasks[nxt, 0]].ctypes.data + tasks[nxt, 2] * kstride
-    nvs = values[slots[tasks[nxt, 1]], tasks[nxt, 0]].ctypes.data + tasks[nxt, 2] * vstride
+    nks = keys[slots[tasks[nxt, 1]], tasks[nxt, 0]].ctypes.data + tasks[nxt, 2] * ks.strides[0]
+    nvs = values[slots[tasks[nxt, 1]], tasks[nxt, 0]].ctypes.data + tasks[nxt, 2] * vs.strides[0]
+    other = nks != ks.ctypes.data + p0 * ks.strides[0]
+    m = _parts_of(total) if p1 - p0 == total else 1
+    o, tops, dens = np.empty((m, group, hd), np.float32), np.empty((m, group), np.float32), np.empty((m, group))
+    most = min(p1 - p0, CHUNK) if m > 1 else p1 - p0  # the longest part's positions
+    scores, bits = np.empty((group, most), np.float32), np.empty(most, np.int32)
+    for c in range(m):
+        a, b = (_part_start(total, c), _part_start(total, c + 1)) if m > 1 else (p0, p1)
+        _attend_part(ks, vs, qg, a, b, nks + (a - p0) * ks.strides[0], nvs + (a - p0) * vs.strides[0], other,
+                     scores, bits, o[c], tops[c], dens[c])
+    dst = out[t, kv * group * hd:(kv + 1) * group * hd]
+    if m > 1:
+        _join(o, tops, dens, dst)
+    elif p1 - p0 == total:
+        for g in range(group):
+            og, dg, ig = o[0, g], dst[g * hd:(g + 1) * hd], np.float32(1.0 / dens[0, g])
+            for d in range(hd):
+                dg[d] = og[d] * ig
+    else:
+        part_o[task], part_top[task], part_den[task] = o[0], tops[0], dens[0]
+
+
+@njit(inline="always", cache=True)
+def _attend_part(ks: np.ndarray, vs: np.ndarray, qg: np.ndarray, p0: int, p1: int, nks: int, nvs: int,
+                 other: bool, scores: np.ndarray, bits: np.ndarray, o: np.ndarray, tops: np.ndarray,
+                 dens: np.ndarray) -> None:
+    """Positions p0..p1 of one KV head's rows ks, vs for the group's scaled queries qg: the unnormalized weighted
+    values o [group, hd], the scores' maximum tops [group] and the softmax denominators dens [group]. nks, nvs:
+    the addresses of the next part's first key and value rows, requested into the caches with these if other.
+    scores [group, >= p1 - p0] and bits [>= p1 - p0]: room."""
+    (group, hd), span = o.shape, p1 - p0
+    kstride, vstride, sstride = ks.strides[0], vs.strides[0], scores.strides[0]
     k0, v0 = ks.ctypes.data + p0 * kstride, vs.ctypes.data + p0 * vstride
-    other = nks != k0
     for p in range(0, span, 2):
         # Positions p, p + 1's value rows are requested into the caches now, with the key rows, so the
         # values pass below reads them from cache, not memory (5-10 % less attention time at 1024
@@ -345,18 +388,17 @@ def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values
             _scores2_half(*args)
         else:
             _scores2_float(*args)
-    tops, dens = np.empty(group, np.float32), np.empty(group)
     for g in range(group):
-        sg = scores[g]
+        sg = scores[g, :span]
         top = np.float32(-np.inf)
         for p in range(span):
             top = max(top, sg[p])
-        exp_shifted(sg, top, bits)
+        exp_shifted(sg, top, bits[:span])
         den = 0.0
         for p in range(span):
             den += sg[p]
         tops[g], dens[g] = top, den
-    o = np.zeros((group, hd), np.float32)
+    o[:] = 0
     for b0 in range(0, span, _SUM_BLOCK):
         args = (v0 + b0 * vstride, vstride, min(_SUM_BLOCK, span - b0), hd, scores.ctypes.data + b0 * 4, sstride,
                 group, o.ctypes.data, hd * 4)
@@ -364,27 +406,15 @@ def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values
             _wsum_half(*args)
         else:
             _wsum_float(*args)
-    if p0 == 0 and p1 == positions[t] + 1:  # the whole row
-        dst = out[t, kv * group * hd:(kv + 1) * group * hd]
-        for g in range(group):
-            og, dg, ig = o[g], dst[g * hd:(g + 1) * hd], np.float32(1.0 / dens[g])
-            for d in range(hd):
-                dg[d] = og[d] * ig
-    else:
-        part_o[task] = o
-        part_top[task] = tops
-        part_den[task] = dens
 
 
 @njit(cache=True)
 def combine(tasks: np.ndarray, part_o: np.ndarray, part_top: np.ndarray, part_den: np.ndarray,
             out: np.ndarray) -> None:
-    """The rows of attention in parts (see attend) into out: each part's sums rescaled to the row's largest
-    score, in float64, parts in order."""
+    """The rows attention ran in parts (see attend) into out, their parts joined by `_join`."""
     if len(part_o) == 0:
         return
     group, hd = part_o.shape[1], part_o.shape[2]
-    acc = np.empty(hd)
     i = 0
     while i < len(tasks):
         kv, t = tasks[i, 0], tasks[i, 1]
@@ -392,21 +422,30 @@ def combine(tasks: np.ndarray, part_o: np.ndarray, part_top: np.ndarray, part_de
         while j < len(tasks) and tasks[j, 0] == kv and tasks[j, 1] == t:
             j += 1
         if j - i > 1:
-            w = np.empty(j - i)
-            for g in range(group):
-                top = part_top[i, g]
-                for c in range(i + 1, j):
-                    top = max(top, part_top[c, g])
-                den = 0.0
-                for c in range(i, j):
-                    w[c - i] = np.exp(np.float64(part_top[c, g]) - np.float64(top))
-                    den += part_den[c, g] * w[c - i]
-                dst = out[t, (kv * group + g) * hd:(kv * group + g + 1) * hd]
-                acc[:] = 0.0
-                for c in range(i, j):  # part by part, each column's sum in part order; the column loop vectorizes
-                    oc, wc = part_o[c, g], w[c - i]
-                    for d in range(hd):
-                        acc[d] += np.float64(oc[d]) * wc
-                for d in range(hd):
-                    dst[d] = np.float32(acc[d] / den)
+            _join(part_o[i:j], part_top[i:j], part_den[i:j], out[t, kv * group * hd:(kv + 1) * group * hd])
         i = j
+
+
+@njit(cache=True)
+def _join(o: np.ndarray, tops: np.ndarray, dens: np.ndarray, dst: np.ndarray) -> None:
+    """A row's parts (o [m, group, hd], tops and dens [m, group]: see _attend_part) into dst [group * hd]: each
+    part's sums rescaled to the row's largest score, in float64, part by part. One function for either way a
+    row ran (one task, or a task a part): the same bits."""
+    m, group, hd = o.shape
+    w, acc = np.empty(m), np.empty(hd)
+    for g in range(group):
+        top = tops[0, g]
+        for c in range(1, m):
+            top = max(top, tops[c, g])
+        den = 0.0
+        for c in range(m):
+            w[c] = np.exp(np.float64(tops[c, g]) - np.float64(top))
+            den += dens[c, g] * w[c]
+        acc[:] = 0.0
+        for c in range(m):  # each column's sum in part order; the column loop vectorizes
+            oc, wc = o[c, g], w[c]
+            for d in range(hd):
+                acc[d] += np.float64(oc[d]) * wc
+        dg = dst[g * hd:(g + 1) * hd]
+        for d in range(hd):
+            dg[d] = np.float32(acc[d] / den)
