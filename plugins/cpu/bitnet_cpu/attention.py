@@ -18,7 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from bitnet_cpu.dot_ir import _lane_sums
-from bitnet_cpu.float_kernels import _LANES, _f32_vector, _scalar_tail, exp_shifted, prefetch_keep
+from bitnet_cpu.float_kernels import _f32_vector, _scalar_tail, exp_shifted, prefetch_keep
 
 
 @intrinsic
@@ -119,6 +119,23 @@ def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None
     _in_head_chunks(b, n_heads, chunk)
 
 
+def _value_lanes() -> int:
+    """float32 lanes of the values pass's vectors: one zmm where the host has AVX-512, else one ymm. A vector
+    column's sum is the same FMAs in the same order at either width, so a head dim that is a multiple of 16
+    gives the same bits on both kinds of host (the columns past the last whole vector are summed one by one,
+    in an order LLVM may vectorize under fast-math: at 124 columns, 8 of them differ in the last bit). At 16
+    lanes, 16 accumulators take half the FMAs and broadcasts of 8 lanes' 8: F16 attention had run
+    compute-bound, as fast from cache as from memory (Zen 5: 141 -> 118 us a layer at 1024 positions, one
+    thread, from cache)."""
+    from llvmlite import binding
+
+    return 16 if dict(binding.get_host_cpu_features()).get("avx512f") else 8
+
+
+_VALUE_LANES = _value_lanes()
+_VALUE_ACCS = 16 if _VALUE_LANES == 16 else 8  # accumulators a pass keeps in registers
+
+
 def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: bool) -> None:
     """emit_weighted_sum for `heads` heads (args without n_heads).
 
@@ -129,23 +146,24 @@ def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half:
     v_i, v_stride, n, n_cols, w_i, w_stride, o_i, o_stride = args
     f32, i64 = ir.FloatType(), ir.IntType(64)
     elem = ir.HalfType() if half else f32
-    vf = ir.VectorType(f32, _LANES)
-    fma_v = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{_LANES}f32")
+    lanes = _VALUE_LANES
+    vf = ir.VectorType(f32, lanes)
+    fma_v = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{lanes}f32")
     fma_s = cgutils.get_or_insert_function(b.module, ir.FunctionType(f32, [f32] * 3), "llvm.fmuladd.f32")
     ws = [b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, h), w_stride)), f32.as_pointer()) for h in range(heads)]
     os_ = [b.inttoptr(b.add(o_i, b.mul(ir.Constant(i64, h), o_stride)), f32.as_pointer()) for h in range(heads)]
     col = cgutils.alloca_once_value(b, ir.Constant(i64, 0))
-    zeros = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
 
     def columns(chunks: int) -> None:
         """`chunks` vector columns from col on, over all n positions; col moves past them."""
         c0 = b.load(col)
-        at = [b.add(c0, ir.Constant(i64, c * _LANES)) for c in range(chunks)]
+        at = [b.add(c0, ir.Constant(i64, c * lanes)) for c in range(chunks)]
         ptrs = [[b.bitcast(b.gep(o, [a]), vf.as_pointer()) for a in at] for o in os_]
         accs = [[cgutils.alloca_once_value(b, b.load(ptr, align=4)) for ptr in row] for row in ptrs]
         with cgutils.for_range(b, n) as loop:
             row = b.inttoptr(b.add(v_i, b.mul(loop.index, v_stride)), elem.as_pointer())
-            vv = [_f32_vector(b, row, a, half) for a in at]
+            vv = [_f32_vector(b, row, a, half, lanes) for a in at]
             for h in range(heads):
                 w = b.load(b.gep(ws[h], [loop.index]))
                 wv = b.shuffle_vector(b.insert_element(ir.Constant(vf, None), w, ir.Constant(ir.IntType(32), 0)),
@@ -155,15 +173,15 @@ def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half:
         for h in range(heads):
             for c in range(chunks):
                 b.store(b.load(accs[h][c]), ptrs[h][c], align=4)
-        b.store(b.add(c0, ir.Constant(i64, chunks * _LANES)), col)
+        b.store(b.add(c0, ir.Constant(i64, chunks * lanes)), col)
 
-    chunks = _LANES // heads
-    with cgutils.for_range(b, b.sdiv(n_cols, ir.Constant(i64, chunks * _LANES))):
+    chunks = max(1, _VALUE_ACCS // heads)
+    with cgutils.for_range(b, b.sdiv(n_cols, ir.Constant(i64, chunks * lanes))):
         columns(chunks)
     while chunks > 1:
         chunks //= 2
         left = b.sub(n_cols, b.load(col))
-        with b.if_then(b.icmp_signed(">=", left, ir.Constant(i64, chunks * _LANES))):
+        with b.if_then(b.icmp_signed(">=", left, ir.Constant(i64, chunks * lanes))):
             columns(chunks)
     with cgutils.for_range(b, b.sub(n_cols, b.load(col))) as tail:
         c = b.add(b.load(col), tail.index)

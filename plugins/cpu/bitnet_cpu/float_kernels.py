@@ -51,11 +51,11 @@ _UNROLL = 4  # lane steps per loop iteration: one 64-byte line of an F16 row
 _STEP = _LANES * _UNROLL
 
 
-def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool) -> ir.Value:
-    """8 values of a row (F16 with half, converted) from index `at` on, as float32."""
+def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool, lanes: int = _LANES) -> ir.Value:
+    """`lanes` values of a row (F16 with half, converted) from index `at` on, as float32."""
     elem, size = (ir.HalfType(), 2) if half else (ir.FloatType(), 4)
-    v = b.load(b.bitcast(b.gep(row, [at]), ir.VectorType(elem, _LANES).as_pointer()), align=size)
-    return b.fpext(v, ir.VectorType(ir.FloatType(), _LANES)) if half else v
+    v = b.load(b.bitcast(b.gep(row, [at]), ir.VectorType(elem, lanes).as_pointer()), align=size)
+    return b.fpext(v, ir.VectorType(ir.FloatType(), lanes)) if half else v
 
 
 def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, half: bool) -> None:
