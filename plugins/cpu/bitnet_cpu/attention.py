@@ -17,6 +17,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from bitnet_cpu import isa
 from bitnet_cpu.dot_ir import _lane_sums
 from bitnet_cpu.float_kernels import _f32_vector, _scalar_tail, exp_shifted, prefetch_keep
 
@@ -120,20 +121,18 @@ def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None
 
 
 def _value_lanes() -> int:
-    """float32 lanes of the values pass's vectors: one zmm where the host has AVX-512, else one ymm. A vector
+    """float32 lanes of the values pass's vectors: one zmm where the host runs the AVX-512 level (numba's CPU
+    overrides counted, as for the int kernels), else one ymm. A vector
     column's sum is the same FMAs in the same order at either width, so a head dim that is a multiple of 16
     gives the same bits on both kinds of host (the columns past the last whole vector are summed one by one,
     in an order LLVM may vectorize under fast-math: at 124 columns, 8 of them differ in the last bit). At 16
     lanes, 16 accumulators take half the FMAs and broadcasts of 8 lanes' 8: F16 attention had run
     compute-bound, as fast from cache as from memory (Zen 5: 141 -> 118 us a layer at 1024 positions, one
     thread, from cache)."""
-    from llvmlite import binding
-
-    return 16 if dict(binding.get_host_cpu_features()).get("avx512f") else 8
+    return 16 if "avx512vnni" in isa.host_levels() else 8
 
 
 _VALUE_LANES = _value_lanes()
-_VALUE_ACCS = 16 if _VALUE_LANES == 16 else 8  # accumulators a pass keeps in registers
 
 
 def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: bool) -> None:
@@ -175,7 +174,7 @@ def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half:
                 b.store(b.load(accs[h][c]), ptrs[h][c], align=4)
         b.store(b.add(c0, ir.Constant(i64, chunks * lanes)), col)
 
-    chunks = max(1, _VALUE_ACCS // heads)
+    chunks = lanes // heads  # as many accumulators as lanes: 8 ymm, or 16 of the 32 zmm
     with cgutils.for_range(b, b.sdiv(n_cols, ir.Constant(i64, chunks * lanes))):
         columns(chunks)
     while chunks > 1:
