@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 
 from bitnet.errors import UsageError
-from bitnet_cpu import dot_ir, isa
+from bitnet_cpu import dot_ir, float_kernels, isa
 from conftest import cli_env, run_cli
 
 LEVELS = isa.host_levels()
@@ -83,8 +84,42 @@ def test_every_level_compiles_to_its_instructions(level: str, cpu: str | None, e
     # q8: the int8 LM head's dot, the same instructions (|w| unsigned, q with w's sign).
     asm = dot_ir.assembly(level, cpu, tile, per_block, q8)
     assert _instructions(asm) == expected
-    # The weight stream is prefetched non-temporally: it would evict everything else a decode step uses.
-    assert "prefetchnta" in asm and "prefetcht0" not in asm
+    # The weight stream is prefetched with the vendor's hint for bytes read once (never into L1 for keeps:
+    # prefetcht0 would evict everything else a decode step uses).
+    assert _HINTS[dot_ir.STREAM_LOCALITY] in asm and "prefetcht0" not in asm
+
+
+_HINTS = {0: "prefetchnta", 1: "prefetcht2"}
+
+
+def test_the_stream_hint_is_the_vendors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Intel fills L1 alone with prefetchnta, through a few fill buffers (a stream capped near 10 GB/s on an
+    # Emerald Rapids core): there the hint fills L2. AMD keeps the non-temporal hint; so does an unknown vendor.
+    for vendor, locality in (("GenuineIntel", 1), ("AuthenticAMD", 0), ("HygonGenuine", 0)):
+        (tmp_path / vendor).write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 6\n")
+        assert dot_ir.stream_locality(str(tmp_path / vendor)) == locality
+    assert dot_ir.stream_locality(str(tmp_path / "absent")) == 0
+    for locality, hint in _HINTS.items():
+        monkeypatch.setattr(dot_ir, "STREAM_LOCALITY", locality)
+        for q8 in (False, True):
+            asm = dot_ir.assembly("avx2", q8=q8)
+            assert hint in asm and _HINTS[1 - locality] not in asm
+
+
+@pytest.mark.parametrize("locality", sorted(_HINTS))
+def test_the_f16_head_streams_its_rows_with_the_same_hint(locality: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dot_ir, "STREAM_LOCALITY", locality)
+    head = float_kernels._make_head(True)  # new intrinsics: compiled now, with the patched hint
+
+    @numba.njit
+    def run(x: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
+        head(x, table, 16, out)
+
+    out = np.zeros((1, 64), np.float32)
+    run(np.ones((1, 256), np.float32), np.full((64, 256), 0x3C00, np.uint16), out)  # F16 ones
+    np.testing.assert_array_equal(out, 256.0)
+    asm = "".join(run.inspect_asm().values())
+    assert _HINTS[locality] in asm and _HINTS[1 - locality] not in asm
 
 
 def test_the_compile_check_sees_a_missing_instruction() -> None:
