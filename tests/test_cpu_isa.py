@@ -106,6 +106,17 @@ def test_the_stream_hint_is_the_vendors(tmp_path: Path, monkeypatch: pytest.Monk
             assert hint in asm and _HINTS[1 - locality] not in asm
 
 
+def test_the_stream_prefetch_is_the_hosts_hint() -> None:
+    # float_kernels.prefetch (the bandwidth probe's) takes the host's hint: on Intel, prefetcht2 and not nta.
+    @numba.njit
+    def touch(a: np.ndarray) -> None:
+        float_kernels.prefetch(a.ctypes.data)
+
+    touch(np.zeros(8))
+    asm = "".join(touch.inspect_asm().values())
+    assert _HINTS[dot_ir.STREAM_LOCALITY] in asm and _HINTS[1 - dot_ir.STREAM_LOCALITY] not in asm
+
+
 @pytest.mark.parametrize("locality", sorted(_HINTS))
 def test_the_f16_head_streams_its_rows_with_the_same_hint(locality: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dot_ir, "STREAM_LOCALITY", locality)

@@ -161,8 +161,9 @@ def _make_prefetch(locality: int) -> Any:
 
 
 # Read hints for the cache line at an address (they never fault, even past an array's end): `prefetch`
-# is non-temporal (prefetchnta, for what is streamed once), `prefetch_keep` keeps the line (prefetcht1).
-prefetch, prefetch_keep = _make_prefetch(0), _make_prefetch(2)
+# is for what is streamed once (the vendor's hint, dot_ir.STREAM_LOCALITY), `prefetch_keep` keeps the line
+# (prefetcht1).
+prefetch, prefetch_keep = _make_prefetch(dot_ir.STREAM_LOCALITY), _make_prefetch(2)
 
 
 def _make_rows_dot(rows: int, tile: int, half: bool) -> Any:
