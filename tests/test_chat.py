@@ -258,3 +258,44 @@ def test_run_accepts_the_new_sampling_options() -> None:
     r = run_cli("--device", "cpu", "run", "-p", "Hi", "-n", "4", "--min-p", "0.1", "--repeat-penalty", "1.2",
                 "--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--temperature", "0.7", "--seed", "1")
     assert r.returncode == 0, r.stderr
+
+
+class _Interrupted:
+    """A Conversation whose reply streams two pieces, then raises `error` as Ctrl-C at that point would."""
+
+    dropped = 0
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def reply(self, text: str) -> Iterator[str]:
+        yield "one "
+        yield "two "
+        raise self.error
+
+
+def _system_error(cause: BaseException) -> SystemError:
+    err = SystemError("<built-in function f> returned a result with an exception set")
+    err.__cause__ = cause
+    return err
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), _system_error(KeyboardInterrupt())],
+                         ids=["plain", "inside_a_c_call"])
+def test_ctrl_c_stops_the_reply_wherever_it_lands(error: BaseException) -> None:
+    from io import StringIO
+
+    from bitnet.repl import _turn
+
+    out, err = StringIO(), StringIO()
+    _turn(_Interrupted(error), "Hello", False, out, err)  # type: ignore[arg-type]
+    assert out.getvalue() == "one two \n" and "(reply stopped)" in err.getvalue()
+
+
+def test_a_system_error_of_another_cause_is_not_taken_for_ctrl_c() -> None:
+    from io import StringIO
+
+    from bitnet.repl import _turn
+
+    with pytest.raises(SystemError):
+        _turn(_Interrupted(_system_error(ValueError("bug"))), "Hello", False, StringIO(), StringIO())  # type: ignore[arg-type]

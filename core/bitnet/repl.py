@@ -134,6 +134,13 @@ def _turn(conversation: Conversation, text: str, verbose: bool, out: TextIO, err
             out.flush()
     except KeyboardInterrupt:
         interrupted = True
+    except SystemError as exc:
+        # Ctrl-C landing inside a C call that then returns a value (seen once in a numba dispatch, CI on an
+        # Emerald Rapids Xeon) surfaces as SystemError("... returned a result with an exception set") caused by
+        # the KeyboardInterrupt: the same Ctrl-C, not a reason to end the chat.
+        if not isinstance(exc.__cause__, KeyboardInterrupt):
+            raise
+        interrupted = True
     except UsageError as exc:  # e.g. one message longer than the whole context: the chat goes on
         print(f"error: {exc}", file=err)
         return
