@@ -19,21 +19,11 @@ per block, which the quantizer returns. Activations are stored in *byte order* (
 within a 256-block, 64 lanes per 2-bit field s, lane l holding column 128*(l//32) + 32*s +
 l%32, so each field of a block's 64 code bytes multiplies one contiguous 64-byte load.
 
-Each block loop prefetches the codes PREFETCH_BYTES ahead: the hardware prefetcher alone left
-one thread at 5 GB/s and two at 9-11 GB/s on 2B-4T shapes; with it they stream at 8-10 and
-14-17 GB/s (2048 bytes was best of 256..8192 on that machine; on a Zen 5 8192 made one token's
-BitLinear 15 % faster on one thread, and passes of two rows request the same block PAIR_AHEAD rows
-on, which also fits the column parts of wide rows). The hint's kind depends on the vendor
-(`STREAM_LOCALITY`). On AMD it is non-temporal (`prefetchnta`): a decode step streams every weight
-once, and with `prefetcht0` those lines evicted everything else, so the Python and small kernels
-between two projections ran from memory (an RMSNorm call took 13 us inside a step against 6 alone;
-11 with the hint). On a Zen 1 EPYC decode gained 3.5 % at 1 and 2 threads (7.31 -> 7.58 and 12.43 ->
-12.87 tokens/s, medians of alternating runs); prefill, which reads a row again for every tile of
-tokens, did not change. On Intel `prefetchnta` fills L1 alone, each line holding one of its few fill
-buffers until it arrives: on a 2-core Emerald Rapids Xeon a plain stream with it read 9.7 GB/s
-against 14.8 with `prefetcht2`, which fills L2, and a decode step (2B-4T, int8 head) took 103 ms on
-one thread and 55 on two with `prefetchnta`, 63 and 33 with `prefetcht2` (`prefetcht1` as t2; 16 KB
-ahead as 8 KB).
+Each block loop prefetches the codes PREFETCH_BYTES ahead (the hardware prefetcher alone: 5 GB/s on one thread,
+9-11 on two; with it 8-10 and 14-17; 8192 bytes beat 2048 by 15 % on a Zen 5); passes of two rows request the
+same block PAIR_AHEAD rows on. The hint is the vendor's (`STREAM_LOCALITY`, figures in the plugin's README): AMD's
+`prefetchnta` (with `prefetcht0` the streamed lines evicted everything else a step uses); Intel's `prefetcht2`
+(there `prefetchnta` fills L1 alone through a few fill buffers: an Emerald Rapids step 103 -> 63 ms).
 
 The int8 LM head (`emit_q8_dot`) multiplies int8 table rows by int8 activations, which BitNet's
 absmax quantization keeps within [-127, 127]: AVX2 and VNNI take |w| as the unsigned operand and
@@ -53,16 +43,12 @@ from numba.core import cgutils
 
 
 def stream_locality(cpuinfo: str = "/proc/cpuinfo") -> int:
-    """The `llvm.prefetch` locality of the hint for bytes read once (codes, LM head rows): 1 (`prefetcht2`) on
-    Intel, 0 (`prefetchnta`) elsewhere (see the module docstring); 0 where the vendor is not known."""
+    """The `llvm.prefetch` locality for bytes read once: 1 (`prefetcht2`) on Intel, else 0 (`prefetchnta`)."""
     try:
         with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return 1 if line.split(":", 1)[1].strip() == "GenuineIntel" else 0
+            return int(any(ln.startswith("vendor_id") and ln.split(":", 1)[1].strip() == "GenuineIntel" for ln in f))
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 STREAM_LOCALITY = stream_locality()
