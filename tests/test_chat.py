@@ -280,8 +280,9 @@ def _system_error(cause: BaseException) -> SystemError:
     return err
 
 
-@pytest.mark.parametrize("error", [KeyboardInterrupt(), _system_error(KeyboardInterrupt())],
-                         ids=["plain", "inside_a_c_call"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), _system_error(KeyboardInterrupt()),
+                                   _system_error(_system_error(KeyboardInterrupt()))],
+                         ids=["plain", "inside_a_c_call", "inside_nested_c_calls"])
 def test_ctrl_c_stops_the_reply_wherever_it_lands(error: BaseException) -> None:
     from io import StringIO
 
@@ -299,3 +300,36 @@ def test_a_system_error_of_another_cause_is_not_taken_for_ctrl_c() -> None:
 
     with pytest.raises(SystemError):
         _turn(_Interrupted(_system_error(ValueError("bug"))), "Hello", False, StringIO(), StringIO())  # type: ignore[arg-type]
+
+
+class _CtrlCPressed:
+    """A Conversation whose reply streams forever; the terminal sends SIGINT `presses` times after the first piece."""
+
+    dropped = 0
+
+    def __init__(self, presses: int) -> None:
+        self.presses = presses
+
+    def reply(self, text: str) -> Iterator[str]:
+        import itertools
+        import signal
+
+        yield "one "
+        for _ in range(self.presses):
+            signal.raise_signal(signal.SIGINT)
+        for _ in itertools.count():
+            yield "more "
+
+
+@pytest.mark.parametrize(("presses", "written"), [(1, "one more \n"), (2, "one \n")])
+def test_ctrl_c_stops_after_the_current_token_and_twice_at_once(presses: int, written: str) -> None:
+    """Once: the reply ends at the next token, so the interrupt never lands inside a kernel. Twice: at once."""
+    import signal
+    from io import StringIO
+
+    from bitnet.repl import _turn
+
+    out, err = StringIO(), StringIO()
+    _turn(_CtrlCPressed(presses), "Hello", False, out, err)  # type: ignore[arg-type]
+    assert out.getvalue() == written and "(reply stopped)" in err.getvalue()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the prompt's Ctrl-C is Python's again

@@ -10,7 +10,10 @@ A message of several lines, on a terminal or not: between lines of three double 
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from types import FrameType
 from typing import TextIO
 
 from bitnet.errors import UsageError
@@ -25,7 +28,7 @@ HELP = '''/clear          forget the conversation (the system prompt stays)
 /exit, /bye     end the chat (also Ctrl-D)
 /help           this list
 """ ... """     a message of several lines (or end each line but the last with a backslash)
-Ctrl-C stops the reply being written.'''
+Ctrl-C stops the reply after the current token (twice: at once, mid-prompt too).'''
 QUOTES = '"""'
 
 
@@ -129,16 +132,15 @@ def _turn(conversation: Conversation, text: str, verbose: bool, out: TextIO, err
     pieces = conversation.reply(text)
     interrupted = False
     try:
-        for piece in pieces:
-            out.write(piece)
-            out.flush()
-    except KeyboardInterrupt:
-        interrupted = True
-    except SystemError as exc:
-        # Ctrl-C landing inside a C call that then returns a value (seen once in a numba dispatch, CI on an
-        # Emerald Rapids Xeon) surfaces as SystemError("... returned a result with an exception set") caused by
-        # the KeyboardInterrupt: the same Ctrl-C, not a reason to end the chat.
-        if not isinstance(exc.__cause__, KeyboardInterrupt):
+        with _StopOnCtrlC() as stop:
+            for piece in pieces:
+                out.write(piece)
+                out.flush()
+                if stop.pressed:
+                    interrupted = True
+                    break
+    except (KeyboardInterrupt, SystemError) as exc:
+        if not _is_ctrl_c(exc):
             raise
         interrupted = True
     except UsageError as exc:  # e.g. one message longer than the whole context: the chat goes on
@@ -158,3 +160,37 @@ def _turn(conversation: Conversation, text: str, verbose: bool, out: TextIO, err
         print(f"prompt {s.prompt_tokens} tokens: {s.cached_tokens} reused from the cache, "
               f"{s.prompt_tokens - s.cached_tokens} prefilled in {s.prefill_ms:.1f} ms; reply "
               f"{s.generated_tokens} tokens at {s.decode_tps:.1f} tokens/s", file=err)
+
+
+class _StopOnCtrlC:
+    """While a reply streams, the first Ctrl-C only asks it to stop after the current token.
+
+    A KeyboardInterrupt raised where the signal lands can land inside a C call (a numba dispatch), which CPython
+    then reports as a SystemError, and can leave a forward pass half done. A second Ctrl-C interrupts at once,
+    for a prefill that takes too long."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: object = None
+
+    def __enter__(self) -> _StopOnCtrlC:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+
+def _is_ctrl_c(exc: BaseException | None) -> bool:
+    """A KeyboardInterrupt, or a SystemError("... returned a result with an exception set") caused by one,
+    however deep: numba's dispatch nests them (seen in CI on an Emerald Rapids Xeon)."""
+    while isinstance(exc, SystemError):
+        exc = exc.__cause__
+    return isinstance(exc, KeyboardInterrupt)
