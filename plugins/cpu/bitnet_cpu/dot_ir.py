@@ -86,6 +86,13 @@ def _declare(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) ->
     return cgutils.get_or_insert_function(module, ir.FunctionType(ret, args), name)
 
 
+def prefetch_at(b: ir.IRBuilder, ptr: ir.Value, offset: int | ir.Value, locality: int) -> None:
+    """Ask for the cache line `offset` bytes past the i8 pointer ptr (a hint: it never faults past an array's end)."""
+    fn = _declare(b.module, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+    where = b.gep(ptr, [ir.Constant(_I64, offset) if isinstance(offset, int) else offset])
+    b.call(fn, [where, *(ir.Constant(_I32, v) for v in (0, locality, 1))])  # read, locality, data
+
+
 def _width(isa: str) -> int:
     """Bytes per vector register of a level."""
     return 64 if isa in ("avx512vnni", "generic") else 32
@@ -129,13 +136,6 @@ class _Block:
 
     def zero(self) -> ir.Constant:
         return ir.Constant(self.acc_type, None)
-
-    def prefetch(self, ptr: ir.Value, offset: int | ir.Value) -> None:
-        """Ask for the cache line `offset` bytes past ptr (a hint: it never faults past the end)."""
-        b, i32 = self.b, _I32
-        fn = _declare(b.module, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), i32, i32, i32])
-        where = b.gep(ptr, [ir.Constant(_I64, offset) if isinstance(offset, int) else offset])
-        b.call(fn, [where, ir.Constant(i32, 0), ir.Constant(i32, STREAM_LOCALITY), ir.Constant(i32, 1)])  # read, data
 
     def load(self, ptr: ir.Value, offset: int, n: int) -> ir.Value:
         b = self.b
@@ -356,7 +356,7 @@ def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Val
     """Block k's code fields (the bytes `ahead` of them prefetched, by default PREFETCH_BYTES; x4 as in `codes`)
     and the byte offset of its activations."""
     wk = builder.gep(w0, [builder.mul(k, wstep)])
-    blk.prefetch(wk, PREFETCH_BYTES if ahead is None else ahead)
+    prefetch_at(builder, wk, PREFETCH_BYTES if ahead is None else ahead, STREAM_LOCALITY)
     return blk.codes(wk, x4=x4), builder.mul(k, ir.Constant(_I64, BLOCK))
 
 
@@ -457,7 +457,7 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
             wk = b.gep(w0, [off])
             # Each row its own PREFETCH_BYTES on: the pair's rows are neighbours, one stream. PAIR_AHEAD rows on
             # (20 KB of 2560-byte rows, beside 20 KB of activations in L1) made 8 tokens on 2 threads 12 % slower.
-            blk.prefetch(wk, PREFETCH_BYTES)
+            prefetch_at(b, wk, PREFETCH_BYTES, STREAM_LOCALITY)
             parts.append([blk.load(wk, n * g, n) for g in range(CHUNK // n)])
         if isa == "generic":
             v32 = _vec(_I32, n)

@@ -101,8 +101,8 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
     with cgutils.for_range(b, b.sdiv(n, ir.Constant(i64, _STEP))) as loop:
         i0 = b.mul(loop.index, ir.Constant(i64, _STEP))
         for line in range(0, rows * _STEP * size, 64):  # the next pass's rows, as far along as this pass is
-            where = b.gep(ahead, [b.add(b.mul(i0, ir.Constant(i64, rows * size)), ir.Constant(i64, line))])
-            _prefetch_at(b, where, dot_ir.STREAM_LOCALITY)
+            where = b.add(b.mul(i0, ir.Constant(i64, rows * size)), ir.Constant(i64, line))
+            dot_ir.prefetch_at(b, ahead, where, dot_ir.STREAM_LOCALITY)
         for u in range(_UNROLL):
             lane_step(b.add(i0, ir.Constant(i64, u * _LANES)), u % _ACCS)
     done = b.mul(b.sdiv(n, ir.Constant(i64, _STEP)), ir.Constant(i64, _STEP))
@@ -141,18 +141,11 @@ def _scalar_tail(b: ir.IRBuilder, done: ir.Value, n: ir.Value, ws: list[ir.Value
                 b.store(b.call(fma_s, [wi, b.load(b.gep(x, [i])), b.load(s)]), s)
 
 
-def _prefetch_at(b: ir.IRBuilder, where: ir.Value, locality: int = 0) -> None:
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0")
-    b.call(fn, [where, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])  # read, data
-
-
 def _make_prefetch(locality: int) -> Any:
     @intrinsic
     def hint(typingctx: Any, addr: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            _prefetch_at(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), locality)
+            dot_ir.prefetch_at(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), 0, locality)
             return context.get_dummy_value()
 
         return types.void(types.intp), codegen
