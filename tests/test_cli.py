@@ -108,3 +108,34 @@ def test_version_and_help():
 
 def test_unknown_command_is_usage_error():
     assert run_cli("frobnicate").returncode == 2
+
+
+def _nested_interrupt() -> SystemError:
+    """What Ctrl-C inside a numba call raises: SystemError caused by SystemError caused by KeyboardInterrupt."""
+    inner = SystemError("<function _numba_unpickle> returned a result with an exception set")
+    inner.__cause__ = KeyboardInterrupt()
+    outer = SystemError("CPUDispatcher(<function rope_table>) returned a result with an exception set")
+    outer.__cause__ = inner
+    return outer
+
+
+def test_ctrl_c_inside_a_kernel_aborts_rather_than_reporting_an_internal_error():
+    import click
+    from click.testing import CliRunner
+
+    from bitnet.cli import Group
+
+    @click.group(cls=Group)
+    def cli() -> None:
+        pass
+
+    @cli.command()
+    @click.argument("cause")
+    def fail(cause: str) -> None:
+        raise _nested_interrupt() if cause == "ctrl-c" else SystemError("a real bug")
+
+    interrupted = CliRunner().invoke(cli, ["fail", "ctrl-c"], obj={})
+    assert interrupted.exit_code == 1 and "Aborted!" in interrupted.output
+    assert "internal error" not in interrupted.output
+    bug = CliRunner().invoke(cli, ["fail", "bug"], obj={})
+    assert bug.exit_code == 1 and "internal error: SystemError: a real bug" in bug.output

@@ -11,7 +11,7 @@ import click
 
 from bitnet import __version__
 
-from .errors import BitnetError, UsageError
+from .errors import BitnetError, UsageError, is_ctrl_c
 
 EXIT_CODES = """Exit codes: 0 success, 1 internal error, 2 usage error, 3 no backend satisfies the
 request, 4 invalid or unsupported model file, 5 a gate or threshold failed."""
@@ -36,6 +36,8 @@ class Group(click.Group):
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except Exception as exc:
+            if is_ctrl_c(exc):  # Ctrl-C inside a kernel call: click's own "Aborted!", not an internal error
+                raise KeyboardInterrupt from exc
             _fail(ctx, exc)
 
 

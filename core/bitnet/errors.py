@@ -33,3 +33,11 @@ class PluginError(BitnetError):
     """A plugin could not be loaded or conflicts with another (strict mode, duplicates)."""
 
     exit_code = 1
+
+
+def is_ctrl_c(exc: BaseException | None) -> bool:
+    """A KeyboardInterrupt, or a SystemError("... returned a result with an exception set") caused by one,
+    however deep: Ctrl-C landing inside a C call that then returns a value (numba's dispatch nests them)."""
+    while isinstance(exc, SystemError):
+        exc = exc.__cause__
+    return isinstance(exc, KeyboardInterrupt)

@@ -16,7 +16,7 @@ import threading
 from types import FrameType
 from typing import TextIO
 
-from bitnet.errors import UsageError
+from bitnet.errors import UsageError, is_ctrl_c
 from bitnet.runtime.conversation import Conversation
 
 HELP = '''/clear          forget the conversation (the system prompt stays)
@@ -140,7 +140,7 @@ def _turn(conversation: Conversation, text: str, verbose: bool, out: TextIO, err
                     interrupted = True
                     break
     except (KeyboardInterrupt, SystemError) as exc:
-        if not _is_ctrl_c(exc):
+        if not is_ctrl_c(exc):
             raise
         interrupted = True
     except UsageError as exc:  # e.g. one message longer than the whole context: the chat goes on
@@ -186,11 +186,3 @@ class _StopOnCtrlC:
         if self.pressed:
             raise KeyboardInterrupt
         self.pressed = True
-
-
-def _is_ctrl_c(exc: BaseException | None) -> bool:
-    """A KeyboardInterrupt, or a SystemError("... returned a result with an exception set") caused by one,
-    however deep: numba's dispatch nests them (seen in CI on an Emerald Rapids Xeon)."""
-    while isinstance(exc, SystemError):
-        exc = exc.__cause__
-    return isinstance(exc, KeyboardInterrupt)
