@@ -55,6 +55,13 @@ def cli_env(**overrides: str) -> dict[str, str]:
     return env
 
 
+def raised_in_c_call(cause: BaseException) -> SystemError:
+    """What CPython raises when `cause` (Ctrl-C's KeyboardInterrupt) lands inside a C call that then returns a value."""
+    err = SystemError("<built-in function f> returned a result with an exception set")
+    err.__cause__ = cause
+    return err
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, python: str = sys.executable,
             timeout: float = 300) -> subprocess.CompletedProcess:
     """`bitnet-select ARGS` in a fresh process, so discovery reads the real entry points."""

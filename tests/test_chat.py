@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from bitnet.errors import UsageError
 from bitnet.modelfile.writer import SyntheticSpec, write_model
 from bitnet.runtime.conversation import Conversation
 from bitnet.runtime.engine import Engine
-from conftest import cli_env, run_cli
+from conftest import cli_env, raised_in_c_call, run_cli
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
@@ -260,76 +260,64 @@ def test_run_accepts_the_new_sampling_options() -> None:
     assert r.returncode == 0, r.stderr
 
 
-class _Interrupted:
-    """A Conversation whose reply streams two pieces, then raises `error` as Ctrl-C at that point would."""
+class _Replying:
+    """A Conversation whose reply is `stream()`."""
 
     dropped = 0
 
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+    def __init__(self, stream: Callable[[], Iterator[str]]) -> None:
+        self.stream = stream
 
     def reply(self, text: str) -> Iterator[str]:
-        yield "one "
-        yield "two "
-        raise self.error
+        return self.stream()
 
 
-def _system_error(cause: BaseException) -> SystemError:
-    err = SystemError("<built-in function f> returned a result with an exception set")
-    err.__cause__ = cause
-    return err
-
-
-@pytest.mark.parametrize("error", [KeyboardInterrupt(), _system_error(KeyboardInterrupt()),
-                                   _system_error(_system_error(KeyboardInterrupt()))],
-                         ids=["plain", "inside_a_c_call", "inside_nested_c_calls"])
-def test_ctrl_c_stops_the_reply_wherever_it_lands(error: BaseException) -> None:
+def _turn_of(stream: Callable[[], Iterator[str]]) -> tuple[str, str]:
+    """What the chat writes (reply, then notes) for one turn whose reply is `stream()`."""
     from io import StringIO
 
     from bitnet.repl import _turn
 
     out, err = StringIO(), StringIO()
-    _turn(_Interrupted(error), "Hello", False, out, err)  # type: ignore[arg-type]
-    assert out.getvalue() == "one two \n" and "(reply stopped)" in err.getvalue()
+    _turn(_Replying(stream), "Hello", False, out, err)  # type: ignore[arg-type]
+    return out.getvalue(), err.getvalue()
+
+
+def _two_pieces_then(error: BaseException) -> Callable[[], Iterator[str]]:
+    """A reply that streams two pieces, then raises `error` as Ctrl-C at that point would."""
+    def stream() -> Iterator[str]:
+        yield "one "
+        yield "two "
+        raise error
+
+    return stream
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), raised_in_c_call(KeyboardInterrupt()),
+                                   raised_in_c_call(raised_in_c_call(KeyboardInterrupt()))],
+                         ids=["plain", "inside_a_c_call", "inside_nested_c_calls"])
+def test_ctrl_c_stops_the_reply_wherever_it_lands(error: BaseException) -> None:
+    out, err = _turn_of(_two_pieces_then(error))
+    assert out == "one two \n" and "(reply stopped)" in err
 
 
 def test_a_system_error_of_another_cause_is_not_taken_for_ctrl_c() -> None:
-    from io import StringIO
-
-    from bitnet.repl import _turn
-
     with pytest.raises(SystemError):
-        _turn(_Interrupted(_system_error(ValueError("bug"))), "Hello", False, StringIO(), StringIO())  # type: ignore[arg-type]
-
-
-class _CtrlCPressed:
-    """A Conversation whose reply streams forever; the terminal sends SIGINT `presses` times after the first piece."""
-
-    dropped = 0
-
-    def __init__(self, presses: int) -> None:
-        self.presses = presses
-
-    def reply(self, text: str) -> Iterator[str]:
-        import itertools
-        import signal
-
-        yield "one "
-        for _ in range(self.presses):
-            signal.raise_signal(signal.SIGINT)
-        for _ in itertools.count():
-            yield "more "
+        _turn_of(_two_pieces_then(raised_in_c_call(ValueError("bug"))))
 
 
 @pytest.mark.parametrize(("presses", "written"), [(1, "one more \n"), (2, "one \n")])
 def test_ctrl_c_stops_after_the_current_token_and_twice_at_once(presses: int, written: str) -> None:
     """Once: the reply ends at the next token, so the interrupt never lands inside a kernel. Twice: at once."""
     import signal
-    from io import StringIO
 
-    from bitnet.repl import _turn
+    def stream() -> Iterator[str]:  # streams forever; the terminal sends SIGINT `presses` times after one piece
+        yield "one "
+        for _ in range(presses):
+            signal.raise_signal(signal.SIGINT)
+        while True:
+            yield "more "
 
-    out, err = StringIO(), StringIO()
-    _turn(_CtrlCPressed(presses), "Hello", False, out, err)  # type: ignore[arg-type]
-    assert out.getvalue() == written and "(reply stopped)" in err.getvalue()
+    out, err = _turn_of(stream)
+    assert out == written and "(reply stopped)" in err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the prompt's Ctrl-C is Python's again
