@@ -12,6 +12,9 @@ first forward pass costs beyond the same pass run again (work an engine defers p
 ours, the linking of numba's cached kernels; llama.cpp has next to none). Load starts before the
 engine's package is imported (NumPy, which both use, is already in): `import llama_cpp` loads
 llama.cpp's shared libraries (0.11 s on the 2-core EPYC), as our load imports numba.
+Below each thread count's table, our layer stack's decode step split by phase (the region's own cycle stamps,
+bitnet_cpu.stack_phases): the projections' time and their weight bytes' rate against the probe, attention, the
+serial steps between phases and the waiting, per thread.
 With an int8 LM head (`--lm-head q8`, or `auto` on a file whose head is stored quantized) it also
 prints the head's accuracy against the F16 head, from one more process: top-1 agreement and mean
 KL divergence over the cross-validation prompts (bitnet.testing.crossval).
@@ -87,6 +90,9 @@ def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_hea
     load_s = time.perf_counter() - t0
     tr, p = eng.transformer, eng.provider
     ids = _ids(n_prompt, eng.config.vocab_size)
+    from bitnet_cpu import stack_phases
+
+    rate = stack_phases.cycles_per_second()
 
     def step(tokens: list[int], pos: int) -> int:
         return int(p.argmax(tr.forward(np.asarray(tokens, dtype=np.int32), pos, all_logits=False))[0])
@@ -99,11 +105,16 @@ def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_hea
     t0 = time.perf_counter()
     tok = step(ids, 0)
     prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    phases = []  # each decode step's layer-stack phases (the stamps are read after the step's timing)
+    decode_s = 0.0
     for pos in range(n_prompt, n_prompt + n_decode):
+        t0 = time.perf_counter()
         tok = step([tok], pos)
-    decode_s = time.perf_counter() - t0
+        decode_s += time.perf_counter() - t0
+        if p.stack_marks.size:
+            phases.append(stack_phases.seconds(p.stack_marks, rate))
     out = _finish(load_s, warm, n_prompt, prefill_s, n_decode, decode_s)
+    out["stack_phases"] = {k: statistics.median(s[k] for s in phases) for k in phases[0]} if phases else {}
     out["kernels"] = sorted(k for k in p.dispatches if "bitlinear" in k or "lm_head" in k or "layer_stack" in k)
     eng.close()
     return out
@@ -260,8 +271,8 @@ def _tensor_types(path: str) -> set[str]:
     return {type_name(int(t.tensor_type)) for t in _open(path).tensors}
 
 
-def decode_bytes(model: str, lm_head: str) -> tuple[int, str]:
-    """Bytes one decode step reads (every projection tensor and the LM head), and the head's format."""
+def decode_bytes(model: str, lm_head: str) -> tuple[int, int, str]:
+    """Bytes one decode step reads: every projection tensor's (the layer stack), the LM head's; the head's format."""
     from bitnet.modelfile.model import _open, type_name  # gguf's own reader rejects I2_S (ggml type 36)
     from bitnet.runtime.engine import choose_lm_head
 
@@ -271,7 +282,7 @@ def decode_bytes(model: str, lm_head: str) -> tuple[int, str]:
     head = next(t for t in r.tensors if t.name == name)
     fmt = choose_lm_head(lm_head, type_name(int(head.tensor_type)))
     head_bytes = int(head.n_elements) + 4 * int(head.shape[1]) if fmt == "q8" else int(head.n_bytes)  # int8, scales
-    return sum(int(t.n_bytes) for t in _projections(r)) + head_bytes, fmt
+    return sum(int(t.n_bytes) for t in _projections(r)), head_bytes, fmt
 
 
 def token_products(model: str) -> int:
@@ -357,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in {args.model, llama_model, args.bitnet_cpp_model} - {None}:
         huge_pages.reread(path)  # every engine's file cached as after a reboot, and none pays the first cold read
     size_mb = os.path.getsize(args.model) / 2**20
-    step_bytes, head_format = decode_bytes(args.model, args.lm_head)
-    step_gb = step_bytes / 1e9
+    stack_bytes, head_bytes, head_format = decode_bytes(args.model, args.lm_head)
+    step_gb = (stack_bytes + head_bytes) / 1e9
     products = token_products(args.model)
     log = sys.stderr
     print(f"model {args.model} ({size_mb:.0f} MiB), llama.cpp on {llama_model}; prompt {args.prompt_tokens}, "
@@ -418,6 +429,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ratios['load_s']:>8.2f}{ratios['ready_s']:>8.2f}{ratios['rss_mb']:>9.2f}")
         print(f"{t:>3} bandwidth probe {bandwidth[t]:.1f} GB/s; spread = max/min decode over the runs; "
               "ready = load + what the first forward pass costs beyond a second one")
+        phases = [r["stack_phases"] for r in results[("ours", t)] if r.get("stack_phases")]
+        if phases:
+            ms = {k: 1e3 * statistics.median(ph[k] for ph in phases) for k in phases[0]}
+            gbs = stack_bytes / ms["projection"] / 1e6
+            print(f"{t:>3} our layer stack, a decode step: {ms['total']:.2f} ms; its projections "
+                  f"{ms['projection']:.2f} ms at {gbs:.1f} GB/s ({gbs / bandwidth[t]:.0%} of the probe), attention "
+                  f"{ms['attention']:.2f}, serial steps {ms['serial']:.2f}, waiting {ms['wait']:.2f} (per thread, "
+                  "from the region's stamps)")
         if level != "generic":
             limit = compute[t] * 1e9 / products
             shares = ", ".join(f"{names[k]} {med(k, t, 'prefill_tps') / limit:.0%}" for k in engines)

@@ -520,3 +520,20 @@ def test_long_bitlinear_tasks_are_handed_out_one_at_a_time() -> None:
     seen.append(numba.get_parallel_chunksize())
     assert seen == [1, 0, 1, 0]
 
+
+
+def test_the_region_stamps_every_phase_of_every_layer_and_thread(cpu: CpuProvider) -> None:
+    from bitnet_cpu import stack_phases
+
+    rng = np.random.default_rng(31)
+    layers = layer_stack(cpu, rng, 3, "i2_s", True)
+    cache = cpu.kv_cache(3, 16, 2, 128, 2, "f32")
+    run_stack(cpu, layers, (rng.standard_normal((1, 512)) * 3).astype(np.float32), cache, [0], [0], "relu2")
+    marks = cpu.stack_marks.copy()
+    assert marks.shape == (3, cpu.n_threads, stack_phases.MARKS)
+    assert (marks > 0).all()  # every stamp taken (rdtsc on x86)
+    s = stack_phases.seconds(marks, 1e9)  # in each thread's order, else ValueError
+    kinds = ("projection", "attention", "serial", "wait")
+    assert s["projection"] > 0 and s["attention"] > 0
+    assert sum(s[k] for k in kinds) <= s["total"]  # the segments tile each layer; the span adds the steps between
+    assert sum(s[k] for k in ("qkv", "wo", "gate_up", "down")) == pytest.approx(s["projection"], rel=1e-12)

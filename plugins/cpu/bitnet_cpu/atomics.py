@@ -60,3 +60,15 @@ def pause(typingctx: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+@intrinsic
+def cycles(typingctx: Any) -> Any:
+    """The CPU's time-stamp counter (`rdtsc` on x86: one constant rate for every core; 0 where LLVM has no
+    counter): a region's threads stamp their phases with it, where Python's clocks cannot reach (stack_phases)."""
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen

@@ -23,6 +23,7 @@ from numba import njit, prange
 from bitnet_cpu import atomics
 from bitnet_cpu import attention as attn
 from bitnet_cpu import float_kernels as fk
+from bitnet_cpu import stack_phases as ph
 
 _PART = 8  # int64s apart: each counter of `_claimed_tasks` on its own 64-byte line
 
@@ -114,7 +115,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
     """One thread's way through layers_row_rowscale's layers: its arguments and buffers, grouped. A function of its
     own, called from the parallel loop: numba's parallel-loop passes over a body this size had compiled for 21 s
     (of a first run's 49 s on an empty kernel cache, 30 s now)."""
-    ctrl, rows, weights, norms, dims, rope_cache, buffers, acts = state
+    ctrl, marks, rows, weights, norms, dims, rope_cache, buffers, acts = state
     (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
      gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev) = weights
     attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2 = norms
@@ -126,19 +127,25 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
     per_layer = _PART * (_SHARES + 4 * n_parts)
     isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, rows), np.int32)
     for layer in range(n_layers):
+        m = marks[layer, part]
+        m[0] = atomics.cycles()
         c = layer * per_layer
         share = c + _PART * _SHARES
         if layer > 0:
             _wait(ctrl, c - per_layer + _PART * _LAYER_OUT)
+        m[ph.QKV] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], dim // BLOCK, qkv_bstride, qd,
                              qtotd, sd, qkv_scale[layer], qkv, kb_dim, isum, acc)
+        m[ph.QKV_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _QKV_DONE, ran, len(qkv_tasks[layer])):
             k0, v0 = n * q_rows, n * (q_rows + kv_rows)
             fk.rope(qkv[:k0].reshape((n, q_rows)), n_heads, head_dim, cos, sin, q_roped)
             fk.rope(qkv[k0:v0].reshape((n, kv_rows)), n_kv_heads, head_dim, cos, sin, k_roped)
             attn.store_kv(k_roped, qkv[v0:].reshape((n, kv_rows)), keys[layer], values[layer], slots, positions)
             atomics.store(ctrl, c + _PART * _KV_STORED, 1)
+        m[ph.QKV_SERIAL] = atomics.cycles()
         _wait(ctrl, c + _PART * _KV_STORED)
+        m[ph.ATTEND] = atomics.cycles()
         ran = 0
         while True:
             task = atomics.fetch_add(ctrl, c + _PART * _NEXT_HEAD, 1)
@@ -147,38 +154,49 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             attn.attend(task, att_tasks, q_roped, keys[layer], values[layer], slots, positions, n_heads, a, part_o,
                         part_top, part_den)
             ran += 1
+        m[ph.ATTEND_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _HEADS_DONE, ran, len(att_tasks)):
             attn.combine(att_tasks, part_o, part_top, part_den, a)
             if has_attn_sub:
                 fk.rmsnorm(a, attn_sub[layer], eps, a_normed)
             _quantize(a_normed, wo_rev, qo, so, qsumo, qtoto)
             atomics.store(ctrl, c + _PART * _WO_IN, 1)
+        m[ph.ATTEND_SERIAL] = atomics.cycles()
         _wait(ctrl, c + _PART * _WO_IN)
+        m[ph.WO] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], q_rows // BLOCK,
                              wo_bstride, qo, qtoto, so, wo_scale[layer], attended, kb_q, isum, acc)
+        m[ph.WO_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _WO_DONE, ran, len(wo_tasks[layer])):
             _add(xs, attended)
             fk.rmsnorm(xs, ffn_norm[layer], eps, h)
             _quantize(h, gu_rev, qd, sd, qsumd, qtotd)
             atomics.store(ctrl, c + _PART * _GU_IN, 1)
+        m[ph.WO_SERIAL] = atomics.cycles()
         _wait(ctrl, c + _PART * _GU_IN)
+        m[ph.GATE_UP] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], dim // BLOCK,
                              gu_bstride, qd, qtotd, sd, gu_scale[layer], gu, kb_dim, isum, acc)
+        m[ph.GATE_UP_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _GU_DONE, ran, len(gu_tasks[layer])):
             fk.act_mul(gu[:n * hidden].reshape((n, hidden)), gu[n * hidden:].reshape((n, hidden)), relu2, f)
             if has_ffn_sub:
                 fk.rmsnorm(f, ffn_sub[layer], eps, f_normed)
             _quantize(f_normed, d_rev, qf, sf, qsumf, qtotf)
             atomics.store(ctrl, c + _PART * _DOWN_IN, 1)
+        m[ph.GATE_UP_SERIAL] = atomics.cycles()
         _wait(ctrl, c + _PART * _DOWN_IN)
+        m[ph.DOWN] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], hidden // BLOCK,
                              d_bstride, qf, qtotf, sf, d_scale[layer], down, kb_hidden, isum, acc)
+        m[ph.DOWN_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _DOWN_DONE, ran, len(d_tasks[layer])):
             _add(xs, down)
             if layer + 1 < n_layers:
                 fk.rmsnorm(xs, attn_norm[layer + 1], eps, h)
                 _quantize(h, qkv_rev, qd, sd, qsumd, qtotd)
             atomics.store(ctrl, c + _PART * _LAYER_OUT, 1)
+        m[ph.DOWN_SERIAL] = atomics.cycles()
 
 
 @njit(parallel=True, cache=CACHE, error_model="numpy")
@@ -190,7 +208,7 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
                         d_tasks: np.ndarray, d_bstride: int, d_scale: np.ndarray, d_rev: bool,
                         q_rows: int, kv_rows: int, hidden: int, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
                         values: np.ndarray, slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int,
-                        head_dim: int, wide_bytes: int, n_parts: int) -> np.ndarray:
+                        head_dim: int, wide_bytes: int, n_parts: int, marks: np.ndarray) -> np.ndarray:
     """x [n, dim] (a few tokens, each of its slot and position) through every layer l: x += wo(sub_norm(attention(
     rope(q), rope(k), v))), q, k, v of rmsnorm(x, attn_norm[l]) (one stack, in that order), k and v stored in the
     cache's layer l first; then x += down(sub_norm(act(gate) * up)), gate and up of rmsnorm(x, ffn_norm[l]). The
@@ -206,7 +224,7 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
     raises a flag the others wait on. A thread that arrives late finds less (or nothing) to claim, and one that
     never arrives is not waited for, so a busy co-tenant costs what it costs TBB's calls: a thread only waits
     for work another has claimed. Each buffer is rewritten only by a serial step after every task that read it
-    is done.
+    is done. Each thread stamps its phase boundaries into marks [layers, n_parts, stack_phases.MARKS].
     """
     (n, dim), n_layers = x.shape, qkv_tasks.shape[0]
     xs, h = np.empty_like(x), np.empty_like(x)
@@ -236,7 +254,7 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
     part_o, part_top, part_den = attn.part_buffers(att_tasks, n_heads // n_kv_heads, head_dim)
     for part in prange(n_parts):  # (a tuple holding arrays cannot enter numba's parallel loop: rebuilt inside)
         _stack_part(part, n_parts, (
-            ctrl, rows, (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
+            ctrl, marks, rows, (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
                          gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev),
             (attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2),
             (q_rows, kv_rows, hidden, n_heads, n_kv_heads, head_dim, kb_dim, kb_q, kb_hidden),

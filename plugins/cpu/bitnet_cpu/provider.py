@@ -31,7 +31,7 @@ from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_
 from . import attention as attn
 from . import float_kernels as fk
 from . import isa as isa_levels
-from . import kernel_cache, threading_layer, threads
+from . import kernel_cache, stack_phases, threading_layer, threads
 
 # Byte -> its four 2-bit codes (low bits first) decoded to -1/0/+1. Each entry's four float32
 # are viewed as one complex128, so unpacking is a 1-D np.take (several times faster than
@@ -227,6 +227,8 @@ class CpuProvider(ReferenceProvider):
         self.n_threads = max(1, min(n_threads or threads(), numba.config.NUMBA_NUM_THREADS))
         self._rope: tuple[tuple[bytes, int, float], np.ndarray, np.ndarray] | None = None  # the last angles
         self._stack: tuple[Sequence[LayerWeights], _LayerStack | None] | None = None  # the last layers' tables
+        # The last layer_stack region's phase stamps [layers, threads, MARKS]: see stack_phases.seconds.
+        self.stack_marks = np.zeros((0, 0, stack_phases.MARKS), np.int64)
         self._use_threads()
 
     def _use_threads(self, one_task_at_a_time: bool = False) -> None:
@@ -301,10 +303,14 @@ class CpuProvider(ReferenceProvider):
         slots, positions = np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(positions, np.int32)
         check_slots(cache, slots, positions, len(x))
         cos, sin = self._rope_angles(positions, head_dim, theta)
+        shape = (len(layers), self.n_threads, stack_phases.MARKS)
+        if self.stack_marks.shape != shape:
+            self.stack_marks = np.zeros(shape, np.int64)
         return self._tk.layers_row_rowscale(
             np.ascontiguousarray(x, np.float32), *stack.norms, float(eps), act == "relu2", *stack.qkv, *stack.wo,
             *stack.gate_up, *stack.down, n_heads * head_dim, n_kv_heads * head_dim, stack.hidden, cos, sin, keys,
-            values, slots, positions, n_heads, n_kv_heads, head_dim, self.wide_bytes, self.n_threads)
+            values, slots, positions, n_heads, n_kv_heads, head_dim, self.wide_bytes, self.n_threads,
+            self.stack_marks)
 
     def _stack_of(self, layers: Sequence[LayerWeights], dim: int, q_rows: int, kv_rows: int) -> _LayerStack | None:
         """The layers' stacked tables, built on first use (a transformer passes the same list at every step)."""
