@@ -297,7 +297,9 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
             out[t, i] = np.float32(np.float64(x[t, i]) * inv * np.float64(w[i]))
 
 
-@njit(fastmath={"contract"}, cache=True)  # not no-infs: exp_shifted gives inf, whose silu is -0
+# Not no-infs: exp_shifted gives inf, whose silu is -0. error_model="numpy": python's zero-division check (1 + e is
+# never 0) kept silu's division scalar; vectorized, a 6912-wide row took 5.9 us, not 10.9 (Emerald Rapids).
+@njit(fastmath={"contract"}, cache=True, error_model="numpy")
 def act_mul(gate: np.ndarray, up: np.ndarray, relu2: bool, out: np.ndarray) -> None:
     """act(gate) * up: silu g/(1+exp(-g)) or relu2 max(g,0)^2, in float32 (~1e-7 of the float64
     reference). silu's exp is `exp_shifted`, in loops LLVM vectorizes: numba's np.exp calls libm once

@@ -154,7 +154,7 @@ def cache_dir(level: str) -> str | None:
 
     # numba keys a cached function to its own file only; these are compiled into the int kernels and the layer
     # region too (IR, inlined or linked callees), so an edit to any of them must miss.
-    sources = ("dot_ir.py", "attention.py", "float_kernels.py", "atomics.py")
+    sources = ("dot_ir.py", "attention.py", "float_kernels.py", "atomics.py", "stack_phases.py")
     stamp = hashlib.sha256(b"".join((_HERE / name).read_bytes() for name in sources)).hexdigest()[:12]
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bitnet-cpu"
     bases = [Path(config.CACHE_DIR)] if config.CACHE_DIR else [_HERE / "__pycache__", user]
