@@ -144,11 +144,12 @@ def _zmm_spills(asm: str) -> list[str]:
     return [ln.strip() for ln in asm.splitlines() if re.search(r"\bvmov\w*\s+%zmm\d+, -?\d*\(%rsp\)", ln)]
 
 
-@pytest.mark.parametrize("tile, rows", [(1, 1), (dot_ir.TILE, 1), (dot_ir.WIDE, 1), (dot_ir.TILE, 2), (dot_ir.WIDE, 2)])
+@pytest.mark.parametrize("tile, rows", [(1, 1), (dot_ir.TILE, 1), (dot_ir.WIDE, 1), (dot_ir.TILE, 2), (dot_ir.WIDE, 2),
+                                        (1, 4)])
 def test_vnni_accumulators_stay_in_registers(tile: int, rows: int) -> None:
     # Four accumulators per token (one per 2-bit field) for 8 tokens were 32 zmm registers, all there are:
     # the 8-token pass stored and reloaded three of them in every block. From TILE tokens on the fields share one,
-    # and two rows per pass (16 accumulators, 8 code fields) still fit.
+    # and two rows per pass (16 accumulators, 8 code fields) still fit; so do one token's four rows (16 and 16).
     asm = dot_ir.assembly("avx512vnni", "icelake-server", tile, rows=rows)
     assert _zmm_spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
 
@@ -272,12 +273,13 @@ def test_wide_bytes_is_two_thirds_of_the_l1_data_cache(tmp_path: Path) -> None:
     assert isa.wide_bytes() == isa.l1_data_bytes() * 2 // 3
 
 
-@pytest.mark.parametrize("edited", ["dot_ir.py", "attention.py", "float_kernels.py", "atomics.py"])
+@pytest.mark.parametrize("edited", ["dot_ir.py", "attention.py", "float_kernels.py", "atomics.py", "stack_phases.py"])
 def test_an_edit_to_a_file_compiled_into_the_int_kernels_misses_their_cache(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edited: str) -> None:
     # numba keys each cached function to its own file; the layer region inlines attention's and the float
-    # kernels' functions, so their edits must change the cache directory.
-    for name in ("dot_ir.py", "attention.py", "float_kernels.py", "atomics.py"):
+    # kernels' functions and reads stack_phases' stamp indices, so their edits must change the cache directory.
+    assert set(isa.COMPILED_IN) >= {"dot_ir.py", "attention.py", "float_kernels.py", "atomics.py", "stack_phases.py"}
+    for name in isa.COMPILED_IN:
         (tmp_path / name).write_bytes((isa._HERE / name).read_bytes())
     monkeypatch.setattr(isa, "_HERE", tmp_path)
     before = Path(str(isa.cache_dir("generic"))).name

@@ -294,11 +294,11 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     one token, they are not stored. Writes int32 out[t] = the row's sum(c * q) for token t, or with
     per_block out[t * n_blocks + b].
 
-    rows=2 (VNNI, without per_block): the rows at w_addr and w_addr + row_stride, each activation
-    loaded once for both (a pass of 8 tokens made a 64-byte load per vpdpbusd, as many as the core
-    can issue); out[t * pitch + r], or added to it when add != 0, for all `tile` tokens (out must hold
-    them). Straight into the driver's [token, row] sums: copying 16 sums there from a scratch vector
-    had cost 6-8 % of an 8-token gate/up projection on a Zen 5.
+    rows > 1 (VNNI, without per_block): the rows at w_addr + r * row_stride, each activation loaded
+    once for all (a pass of 8 tokens made a 64-byte load per vpdpbusd, as many as the core can issue);
+    out[t * pitch + r], or added to it when add != 0, for all `tile` tokens (out must hold them).
+    Straight into the driver's [token, row] sums: copying 16 sums there from a scratch vector had
+    cost 6-8 % of an 8-token gate/up projection on a Zen 5.
     """
     w_i, nb, wstep, q_i, stride, ntok, out_i = args[:7]
     blk = _Block(builder, isa, tile)
@@ -317,7 +317,7 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     if isa == "avx2" and not per_block:
         _avx2_row_loop(builder, blk, w0, nb, wstep, qrows, [a[0][0] for a in accs])
     else:
-        # Two rows per pass: the same block PAIR_AHEAD rows on, whatever the row's length or the part of
+        # Several rows per pass: the same block PAIR_AHEAD rows on, whatever the row's length or the part of
         # it a pass takes (see int_kernels.matmul_rowscale's column parts).
         ahead = builder.mul(args[7], ir.Constant(_I64, PAIR_AHEAD)) if rows > 1 else None
         _block_loop(builder, blk, w_rows, nb, wstep, qrows, accs, out, ntok, per_block, ahead)
@@ -555,7 +555,7 @@ def _function(name: str, ret: ir.Type, n_args: int) -> tuple[ir.Module, ir.Funct
 
 def dot_module(isa: str, tile: int = TILE, per_block: bool = False, q8: bool = False, rows: int = 1) -> str:
     """LLVM IR text of a module holding one dot function of this level (emit_dot, or with q8 emit_q8_dot)."""
-    n_args = 9 if q8 else 10 if rows == 2 else 7
+    n_args = 9 if q8 else 10 if rows > 1 else 7
     module, fn, builder = _function(f"{'q8' if q8 else 'ternary'}_dot_{isa}", ir.VoidType(), n_args)
     if q8:
         emit_q8_dot(builder, list(fn.args), tile, isa, rows)

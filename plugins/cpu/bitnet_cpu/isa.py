@@ -147,15 +147,17 @@ def build(level: str, cache: bool = True) -> ModuleType:
     return mod
 
 
+# numba keys a cached function to its own file only; these are compiled into the int kernels and the layer region too
+# (IR, inlined or linked callees, constants), so an edit to any of them must miss their cache.
+COMPILED_IN = ("dot_ir.py", "attention.py", "float_kernels.py", "atomics.py", "stack_phases.py")
+
+
 def cache_dir(level: str) -> str | None:
     """Where `level`'s kernels are cached: under NUMBA_CACHE_DIR, else this package's __pycache__,
     else the user's cache directory; None when none is writable (they compile in every process)."""
     from numba.core import config
 
-    # numba keys a cached function to its own file only; these are compiled into the int kernels and the layer
-    # region too (IR, inlined or linked callees), so an edit to any of them must miss.
-    sources = ("dot_ir.py", "attention.py", "float_kernels.py", "atomics.py", "stack_phases.py")
-    stamp = hashlib.sha256(b"".join((_HERE / name).read_bytes() for name in sources)).hexdigest()[:12]
+    stamp = hashlib.sha256(b"".join((_HERE / name).read_bytes() for name in COMPILED_IN)).hexdigest()[:12]
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bitnet-cpu"
     bases = [Path(config.CACHE_DIR)] if config.CACHE_DIR else [_HERE / "__pycache__", user]
     for base in bases:
