@@ -154,6 +154,14 @@ def test_vnni_accumulators_stay_in_registers(tile: int, rows: int) -> None:
     assert _zmm_spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
 
 
+@pytest.mark.parametrize("level", ["avx512vnni", "avxvnni"])
+def test_one_tokens_pass_keeps_its_rows_accumulators_in_registers(level: str) -> None:
+    # Four rows a pass are 16 accumulators (one per row and 2-bit field): 32 zmm hold them, while Alder Lake's 16
+    # ymm spilled them 44 times a pass, so AVX-VNNI keeps one row.
+    asm = dot_ir.assembly(level, None, 1, rows=dot_ir.ONE_TOKEN_ROWS.get(level, 1))
+    assert not re.search(r"\bvmov\w*\s+%[xyz]mm\d+, -?\d*\(%rsp\)", asm)
+
+
 def test_a_pass_sums_its_accumulators_by_folding_them_together() -> None:
     # 16 zmm reduced one by one took 64 adds; folded in pairs, 15, and 8 more add a column part's sums to the
     # last part's. A wrong fold fails the exactness tests.

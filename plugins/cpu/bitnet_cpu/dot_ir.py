@@ -52,8 +52,7 @@ def stream_locality(cpuinfo: str = "/proc/cpuinfo") -> int:
 
 
 STREAM_LOCALITY = stream_locality()
-BLOCK = 256
-BLOCK_BYTES = 64
+BLOCK, BLOCK_BYTES = 256, 64  # values and code bytes a block
 CHUNK = 64  # int8 values per step of the int8 dot (one 512-bit register)
 PREFETCH_BYTES = 8192  # how far past the block being read one row's codes are requested
 PAIR_AHEAD = 8  # two rows per pass request the same block this many rows on (2: 8-10 % slower at 8 tokens, 16: as 8)
@@ -63,6 +62,7 @@ TILE = 4  # tokens per pass over a weight row in prefill: TILE accumulators plus
 # once for twice as many tokens. On 2560-column rows (AVX2, 8-128 tokens) 4-7 % faster for gate/up and 1-6 % for
 # the others. Wider rows go in column parts (see int_kernels.matmul_rowscale).
 WIDE = 8
+ONE_TOKEN_ROWS = {"avx512vnni": 4}  # rows one token's pass takes: 16 accumulators fit 32 zmm, not 16 ymm
 
 LEVELS = ("avx512vnni", "avxvnni", "avx2", "generic")  # best first
 _VNNI = ("avx512vnni", "avxvnni")

@@ -33,7 +33,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from bitnet_cpu import float_kernels as fk
-from bitnet_cpu.dot_ir import BLOCK, CHUNK, TILE, WIDE, emit_dot, emit_peak, emit_q8_dot
+from bitnet_cpu.dot_ir import BLOCK, CHUNK, ONE_TOKEN_ROWS, TILE, WIDE, emit_dot, emit_peak, emit_q8_dot
 
 try:  # set by bitnet_cpu.isa.build() before it runs this module
     ISA: str = globals()["ISA"]
@@ -208,9 +208,10 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
     pairs = _PAIRS and not per_block
     tile2 = _make_rows_dot(TILE, 2) if pairs else tile
     big2 = _make_rows_dot(WIDE, 2) if pairs and wide else tile2
-    # One token: four rows a pass, 16 accumulator chains, the pass's epilogue shared by four rows. On an Emerald
-    # Rapids Xeon, rows in L2 went 1.5x faster, and a decode step's projections 1.6-2.5 % (alternating runs).
-    one4 = _make_rows_dot(1, 4) if pairs else one
+    # One token on AVX-512: four rows a pass, 16 accumulator chains, the pass's epilogue shared by four rows. On an
+    # Emerald Rapids Xeon, rows in L2 went 1.5x faster, and a decode step's projections 1.6-2.5 % (alternating runs).
+    rows1 = 1 if per_block else ONE_TOKEN_ROWS.get(ISA, 1)
+    one_rows = _make_rows_dot(1, rows1) if rows1 > 1 else one
 
     @njit(inline="always", cache=CACHE)
     def sums(w0: int, wstride: int, r0: int, r1: int, nb: int, bstride: int, qaddr: int, qstride: int, nt: int,
@@ -219,9 +220,10 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
         r = r0
         while r < r1:
             waddr = w0 + r * wstride
-            if pairs and nt == 1 and r + 3 < r1:
-                one4(waddr, nb, bstride, qaddr, qstride, 1, acc.ctypes.data + 4 * (r - r0), wstride, acc.shape[2], add)
-                r += 4
+            if rows1 > 1 and nt == 1 and r + rows1 <= r1:
+                one_rows(waddr, nb, bstride, qaddr, qstride, 1, acc.ctypes.data + 4 * (r - r0), wstride, acc.shape[2],
+                         add)
+                r += rows1
                 continue
             if pairs and nt >= TILE and r + 1 < r1:
                 at = acc.ctypes.data + 4 * (r - r0)
