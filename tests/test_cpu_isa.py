@@ -140,8 +140,8 @@ def test_the_compile_check_sees_a_missing_instruction() -> None:
     assert not any("vpdpbusd" in i for i in _instructions(dot_ir.assembly("avx2", q8=True)))
 
 
-def _zmm_spills(asm: str) -> list[str]:
-    return [ln.strip() for ln in asm.splitlines() if re.search(r"\bvmov\w*\s+%zmm\d+, -?\d*\(%rsp\)", ln)]
+def _spills(asm: str) -> list[str]:
+    return [ln.strip() for ln in asm.splitlines() if re.search(r"\bvmov\w*\s+%[xyz]mm\d+, -?\d*\(%rsp\)", ln)]
 
 
 @pytest.mark.parametrize("tile, rows", [(1, 1), (dot_ir.TILE, 1), (dot_ir.WIDE, 1), (dot_ir.TILE, 2), (dot_ir.WIDE, 2),
@@ -151,15 +151,14 @@ def test_vnni_accumulators_stay_in_registers(tile: int, rows: int) -> None:
     # the 8-token pass stored and reloaded three of them in every block. From TILE tokens on the fields share one,
     # and two rows per pass (16 accumulators, 8 code fields) still fit; so do one token's four rows (16 and 16).
     asm = dot_ir.assembly("avx512vnni", "icelake-server", tile, rows=rows)
-    assert _zmm_spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
+    assert _spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
 
 
 @pytest.mark.parametrize("level", ["avx512vnni", "avxvnni"])
 def test_one_tokens_pass_keeps_its_rows_accumulators_in_registers(level: str) -> None:
     # Four rows a pass are 16 accumulators (one per row and 2-bit field): 32 zmm hold them, while Alder Lake's 16
     # ymm spilled them 44 times a pass, so AVX-VNNI keeps one row.
-    asm = dot_ir.assembly(level, None, 1, rows=dot_ir.ONE_TOKEN_ROWS.get(level, 1))
-    assert not re.search(r"\bvmov\w*\s+%[xyz]mm\d+, -?\d*\(%rsp\)", asm)
+    assert _spills(dot_ir.assembly(level, None, 1, rows=dot_ir.ONE_TOKEN_ROWS.get(level, 1))) == []
 
 
 def test_a_pass_sums_its_accumulators_by_folding_them_together() -> None:
@@ -174,7 +173,7 @@ def test_a_pass_sums_its_accumulators_by_folding_them_together() -> None:
 @pytest.mark.parametrize("tile", [dot_ir.TILE, dot_ir.WIDE])
 def test_the_int8_heads_two_row_pass_stays_in_registers(tile: int) -> None:
     asm = dot_ir.assembly("avx512vnni", "icelake-server", tile, q8=True, rows=2)
-    assert _zmm_spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
+    assert _spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
     with pytest.raises(ValueError, match="several rows per pass are a VNNI pass"):
         dot_ir.dot_module("avx2", tile, q8=True, rows=2)
 
@@ -188,7 +187,8 @@ def test_two_rows_per_pass_are_vnni_only() -> None:
 
 def test_the_spill_check_sees_a_spill() -> None:
     spilled = "\tvpdpbusd\t-192(%r14,%rcx), %zmm1, %zmm8\n\tvmovdqu64\t%zmm8, 64(%rsp)\n"
-    assert _zmm_spills(spilled) == ["vmovdqu64\t%zmm8, 64(%rsp)"]
+    assert _spills(spilled) == ["vmovdqu64\t%zmm8, 64(%rsp)"]
+    assert _spills("\tvmovdqu\t%ymm3, -96(%rsp)\n\tvmovdqu\t(%rsi), %ymm3\n") == ["vmovdqu\t%ymm3, -96(%rsp)"]
 
 
 def test_unknown_level_is_refused_by_the_emitter() -> None:
@@ -281,12 +281,15 @@ def test_wide_bytes_is_two_thirds_of_the_l1_data_cache(tmp_path: Path) -> None:
     assert isa.wide_bytes() == isa.l1_data_bytes() * 2 // 3
 
 
-@pytest.mark.parametrize("edited", ["dot_ir.py", "attention.py", "float_kernels.py", "atomics.py", "stack_phases.py"])
+_COMPILED_IN = ("dot_ir.py", "attention.py", "float_kernels.py", "atomics.py", "stack_phases.py")
+
+
+@pytest.mark.parametrize("edited", _COMPILED_IN)
 def test_an_edit_to_a_file_compiled_into_the_int_kernels_misses_their_cache(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edited: str) -> None:
     # numba keys each cached function to its own file; the layer region inlines attention's and the float
     # kernels' functions and reads stack_phases' stamp indices, so their edits must change the cache directory.
-    assert set(isa.COMPILED_IN) >= {"dot_ir.py", "attention.py", "float_kernels.py", "atomics.py", "stack_phases.py"}
+    assert set(isa.COMPILED_IN) >= set(_COMPILED_IN)
     for name in isa.COMPILED_IN:
         (tmp_path / name).write_bytes((isa._HERE / name).read_bytes())
     monkeypatch.setattr(isa, "_HERE", tmp_path)

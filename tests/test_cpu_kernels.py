@@ -521,7 +521,6 @@ def test_long_bitlinear_tasks_are_handed_out_one_at_a_time() -> None:
     assert seen == [1, 0, 1, 0]
 
 
-
 def test_the_region_stamps_every_phase_of_every_layer_and_thread(cpu: CpuProvider) -> None:
     from bitnet_cpu import stack_phases
 
