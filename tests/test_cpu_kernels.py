@@ -536,3 +536,20 @@ def test_the_region_stamps_every_phase_of_every_layer_and_thread(cpu: CpuProvide
     assert s["projection"] > 0 and s["attention"] > 0
     assert sum(s[k] for k in kinds) <= s["total"]  # the segments tile each layer; the span adds the steps between
     assert sum(s[k] for k in ("qkv", "wo", "gate_up", "down")) == pytest.approx(s["projection"], rel=1e-12)
+
+
+@pytest.mark.parametrize("part, n_parts", [(1, 3), (0, 1)])
+def test_a_waiting_thread_requests_the_rows_its_share_starts_on(part: int, n_parts: int) -> None:
+    # Two projections stacked (300 rows, then 200 of another array): part 1 of 3 starts on the first one's last two
+    # tasks (one short) and goes on into the second; one part alone has more rows than FETCH_BYTES.
+    from bitnet_cpu.provider import _tasks
+
+    a, b = np.zeros((300, 10, 64), np.uint8), np.zeros((200, 10, 64), np.uint8)
+    tasks = np.concatenate([_tasks(a, 0), _tasks(b, 300)])
+    k = isa.kernels(LEVELS[0])
+    lo, hi = part * len(tasks) // n_parts, (part + 1) * len(tasks) // n_parts
+    rows = [np.arange(w + r0 * stride, w + r1 * stride, 64) for w, stride, r0, r1, _, _ in tasks[lo:hi]]
+    want = np.concatenate(rows)[:k.FETCH_BYTES // 64]
+    got = k.fetch_lines(tasks, part, n_parts)
+    assert len(want) == (1720 if n_parts == 3 else k.FETCH_BYTES // 64)
+    np.testing.assert_array_equal(got, want)
