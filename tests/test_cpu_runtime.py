@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import numba
+import numpy as np
 import pytest
 
 # -- the threading layer ------------------------------------------------------------------------------
@@ -79,14 +80,16 @@ def test_cached_kernels_run_without_numbas_compiler() -> None:
     # among them) that running machine code never needs; and it imports the module of every numba function
     # inlined into a kernel (numba.np.arrayobj, for np.empty) to hold globals only object mode reads. A model's
     # prompt and decode steps run without either, and generate what they generate with both imported first.
+    # Nor numpy.ma, which numba's typing of an array imports to check it is not a masked one (12.6 ms).
     # The first process may compile (a cold cache compiles, and a compile needs the context); the others load.
     run = ("import sys, bitnet; e = bitnet.load(device='cpu'); e.provider.n_threads = 2; "
            "print(repr(''.join(e.generate('To be', max_tokens=8))), "
-           "'numba.cpython.listobj' in sys.modules, 'numba.np.arrayobj' in sys.modules)")
+           "*(m in sys.modules for m in ('numba.cpython.listobj', 'numba.np.arrayobj', 'numpy.ma')))")
     _fresh_process(run)
-    text, *imported = _fresh_process(run).rsplit(maxsplit=2)
-    assert imported == ["False", "False"]
-    assert _fresh_process("import numba.np.arrayobj; " + run).rsplit(maxsplit=2) == [text, "False", "True"]
+    text, *imported = _fresh_process(run).rsplit(maxsplit=3)
+    assert imported == ["False", "False", "False"]
+    assert _fresh_process("import numba.np.arrayobj, numpy.ma; " + run).rsplit(maxsplit=3) == [
+        text, "False", "True", "True"]
 
 
 def test_the_runtime_comes_from_its_file_and_a_damaged_file_is_compiled_again(tmp_path: Path) -> None:
@@ -127,6 +130,42 @@ def test_lightly_loaded_kernels_compile_on_a_miss_and_load_on_a_hit(monkeypatch:
         assert "load_overload" in vars(mod.plus_one._cache)
         assert mod.plus_one(41) == 42
         assert sum(mod.plus_one.stats.cache_hits.values()) == expect_hits
+
+
+def _arrays() -> list[object]:
+    readonly = np.arange(5, dtype=np.uint16)
+    readonly.flags.writeable = False
+    return [np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32, order="F"), np.zeros((4, 6), np.int8)[:, ::2],
+            readonly, np.frombuffer(bytes(16), np.int64), np.array(1.5), np.zeros((2, 2, 2), bool)]
+
+
+@pytest.mark.parametrize("value, read_here", [(a, True) for a in _arrays()] + [(np.zeros(2, np.longdouble), False),
+                                                                            (7, False), ((1, 2), False)])
+def test_an_arguments_type_is_numbas_and_an_arrays_is_read_without_numpy_ma(monkeypatch: pytest.MonkeyPatch,
+                                                                            value: object, read_here: bool) -> None:
+    from bitnet_cpu.kernel_cache import typeof_argument
+
+    standard = numba.njit(lambda a: 0).typeof_pyval
+    asked = []
+
+    def spy(v: object) -> object:
+        asked.append(v)
+        return standard(v)
+
+    monkeypatch.delitem(sys.modules, "numpy.ma", raising=False)
+    assert typeof_argument(spy, value) == standard(value)
+    # Arrays of the dtypes numba has types for never reach numba's typeof; a long double array and the rest do.
+    assert (asked == []) == read_here
+
+
+def test_a_masked_array_is_refused_as_numba_refuses_it() -> None:
+    from bitnet_cpu.kernel_cache import typeof_argument
+
+    masked = np.ma.masked_array([1.0, 2.0], mask=[False, True])
+    with pytest.raises(numba.core.errors.NumbaError, match="MaskedArray"):
+        numba.njit(lambda a: 0).typeof_pyval(masked)
+    with pytest.raises(numba.core.errors.NumbaError, match="MaskedArray"):
+        typeof_argument(numba.njit(lambda a: 0).typeof_pyval, masked)
 
 
 def test_a_numba_without_the_cache_hooks_loads_the_standard_way(monkeypatch: pytest.MonkeyPatch,

@@ -24,8 +24,14 @@ later compile. For a model's 8-9 kernels that was 30 ms of the first forward pas
 more than half of it. The symbols come from the machine code's own ELF symbol table instead (the same
 names), and the bitcode is parsed only when a compile links the library in.
 
+The first call of a kernel with an array type it has not seen asks numba's Python `typeof`, which checks the array
+against numpy.ma.MaskedArray; NumPy imports numpy.ma on that first use: 12.6 ms of the first forward pass (an
+Emerald Rapids Xeon) of the ~30 ms it costs beyond the second. Our kernels' dispatchers read an array's type
+themselves (`typeof_argument`) while numpy.ma is not imported: no masked array can exist before it is.
+
 This reaches into numba's cache (`Dispatcher._cache`, `Cache._load_overload`, `_rebuild_env`), code
-libraries (`CPUCodeLibrary._unserialize`'s steps) and runtime (`nrtdynmod.compile_nrt_functions`); where a
+libraries (`CPUCodeLibrary._unserialize`'s steps), runtime (`nrtdynmod.compile_nrt_functions`) and dispatchers
+(`typeof_pyval`, which numba's C dispatcher calls on a type it has not cached); where a
 numba version lacks one of those, that part loads the standard way, slower and just as correct.
 """
 
@@ -36,7 +42,7 @@ import hashlib
 import marshal
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -44,12 +50,15 @@ from typing import Any
 
 import llvmlite
 import numba
+import numpy as np
 from llvmlite import binding as ll
-from numba.core import config, environment
+from numba.core import config, environment, types
 from numba.core.caching import Cache
 from numba.core.compiler_lock import global_compiler_lock
+from numba.core.errors import NumbaError
 from numba.core.registry import cpu_target
 from numba.core.runtime import nrtdynmod, rtsys
+from numba.np import numpy_support
 
 from bitnet.modelfile import load_cache
 
@@ -100,13 +109,28 @@ def _nrt_library(directory: Path, ctx: Any) -> Any:
 
 
 def load_lightly(module: ModuleType) -> None:
-    """Make each disk-cached kernel of `module` load from its cache without the context refresh."""
-    if not all(hasattr(Cache, name) for name in ("_load_overload", "_guard_against_spurious_io_errors")):
-        return
+    """Make each disk-cached kernel of `module` load from its cache without the context refresh, and type its array
+    arguments without importing numpy.ma."""
+    light = all(hasattr(Cache, name) for name in ("_load_overload", "_guard_against_spurious_io_errors"))
     for obj in vars(module).values():
         cache = getattr(obj, "_cache", None)
         if isinstance(cache, Cache):
-            cache.load_overload = functools.partial(_load_overload, cache)
+            if light:
+                cache.load_overload = functools.partial(_load_overload, cache)
+            if hasattr(obj, "typeof_pyval"):
+                obj.typeof_pyval = functools.partial(typeof_argument, obj.typeof_pyval)
+
+
+def typeof_argument(standard: Callable[[Any], Any], val: Any) -> Any:
+    """What `standard` (a dispatcher's typeof_pyval) makes of `val`, an array's type read without numba's check
+    against numpy.ma.MaskedArray: its first use imports numpy.ma, and no masked array exists before that."""
+    if isinstance(val, np.ndarray) and "numpy.ma" not in sys.modules:
+        try:
+            return types.Array(numpy_support.from_dtype(val.dtype), val.ndim, numpy_support.map_layout(val),
+                               readonly=not val.flags.writeable)
+        except NumbaError:  # a dtype numba has no type for: standard says what it says of those
+            pass
+    return standard(val)
 
 
 def _load_overload(cache: Cache, sig: Any, target_context: Any) -> Any:
