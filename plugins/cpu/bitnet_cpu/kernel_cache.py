@@ -27,11 +27,13 @@ names), and the bitcode is parsed only when a compile links the library in.
 The first call of a kernel with an array type it has not seen asks numba's Python `typeof`, which checks the array
 against numpy.ma.MaskedArray; NumPy imports numpy.ma on that first use: 12.6 ms of the first forward pass (an
 Emerald Rapids Xeon) of the ~30 ms it costs beyond the second. Our kernels' dispatchers read an array's type
-themselves (`typeof_argument`) while numpy.ma is not imported: no masked array can exist before it is.
+themselves (`typeof_argument`) while numpy.ma is not imported: no masked array can exist before it is. Nor do
+they load numba's extensions first (`numba_extensions` entry points: third-party types our kernels never take).
 
 This reaches into numba's cache (`Dispatcher._cache`, `Cache._load_overload`, `_rebuild_env`), code
 libraries (`CPUCodeLibrary._unserialize`'s steps), runtime (`nrtdynmod.compile_nrt_functions`) and dispatchers
-(`typeof_pyval`, which numba's C dispatcher calls on a type it has not cached); where a
+(`typeof_pyval`, which numba's C dispatcher calls on a type it has not cached; `_compilation_chain_init_hook`);
+where a
 numba version lacks one of those, that part loads the standard way, slower and just as correct.
 """
 
@@ -110,7 +112,7 @@ def _nrt_library(directory: Path, ctx: Any) -> Any:
 
 def load_lightly(module: ModuleType) -> None:
     """Make each disk-cached kernel of `module` load from its cache without the context refresh, and type its array
-    arguments without importing numpy.ma."""
+    arguments without importing numpy.ma or loading numba's extensions."""
     light = all(hasattr(Cache, name) for name in ("_load_overload", "_guard_against_spurious_io_errors"))
     for obj in vars(module).values():
         cache = getattr(obj, "_cache", None)
@@ -119,6 +121,14 @@ def load_lightly(module: ModuleType) -> None:
                 cache.load_overload = functools.partial(_load_overload, cache)
             if hasattr(obj, "typeof_pyval"):
                 obj.typeof_pyval = functools.partial(typeof_argument, obj.typeof_pyval)
+            if hasattr(obj, "_compilation_chain_init_hook"):
+                obj._compilation_chain_init_hook = _no_extensions
+
+
+def _no_extensions() -> None:
+    """A kernel's first call without numba's extensions loaded first: numba looks for them in every installed
+    package's entry points (3-5 ms), for types our kernels never take. Another function's first call still loads
+    them."""
 
 
 def typeof_argument(standard: Callable[[Any], Any], val: Any) -> Any:
