@@ -33,8 +33,7 @@ they load numba's extensions first (`numba_extensions` entry points: third-party
 This reaches into numba's cache (`Dispatcher._cache`, `Cache._load_overload`, `_rebuild_env`), code
 libraries (`CPUCodeLibrary._unserialize`'s steps), runtime (`nrtdynmod.compile_nrt_functions`) and dispatchers
 (`typeof_pyval`, which numba's C dispatcher calls on a type it has not cached; `_compilation_chain_init_hook`);
-where a
-numba version lacks one of those, that part loads the standard way, slower and just as correct.
+where a numba version lacks one of those, that part runs the standard way, slower and just as correct.
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ def _next_line(tasks: np.ndarray, hi: int, k: int, at: int, end: int) -> tuple[i
 def _wait_fetching(ctrl: np.ndarray, i: int, tasks: np.ndarray, part: int, n_parts: int) -> None:
     """_wait, meanwhile the first FETCH_BYTES of the rows this part starts the next projection on (`tasks`, its
     share) requested into L2: a thread waiting on another's serial step leaves the memory bus idle. On the
-    Emerald Rapids Xeon, 2 threads, steps with and without alternating in one process: the stack 22.45 -> 22.15
-    ms and 22.80 -> 22.25 (medians of 144 steps each, 128-368 positions)."""
+    Emerald Rapids Xeon, 2 threads, steps with and without alternating in one process: the stack 21.71 -> 21.27
+    ms at 128-160 positions (192 steps each), 22.45 -> 22.15 at 128-368 (144 steps)."""
     k, hi = _share(len(tasks), part, n_parts)
     at = end = 0
     for _ in range(FETCH_BYTES // 64):
