@@ -297,3 +297,17 @@ def test_an_edit_to_a_file_compiled_into_the_int_kernels_misses_their_cache(
     with open(tmp_path / edited, "a") as f:
         f.write("\n# edited\n")
     assert Path(str(isa.cache_dir("generic"))).name != before
+
+
+@pytest.mark.parametrize("level, tile, per_block, rows", [
+    (level, *variant) for level in dot_ir.LEVELS
+    for variant in [(1, False, 1), (dot_ir.TILE, True, 1), (dot_ir.WIDE, False, 1)]
+    + ([(1, False, 4)] if level in ("avx512vnni", "avxvnni") else [])])  # (several rows a pass: VNNI's)
+def test_each_block_requests_the_lines_of_both_ends_of_its_codes(level: str, tile: int, per_block: bool,
+                                                                  rows: int) -> None:
+    # GGUF aligns a tensor to 32 bytes and TQ2_0's blocks are 66 apart: a block's 64 code bytes often span two lines,
+    # and one request a block (its first byte ahead) left a line of each row to the hardware prefetcher.
+    text = dot_ir.dot_module(level, tile, per_block, rows=rows)
+    ends = {end: re.findall(rf'= add i64 (\S+), {end}\n', text) for end in (0, dot_ir.BLOCK_BYTES - 1)}
+    assert ends[0] and sorted(ends[0]) == sorted(ends[dot_ir.BLOCK_BYTES - 1])
+    assert text.count('call void @"llvm.prefetch.p0"') == 2 * len(ends[0])

@@ -19,11 +19,12 @@ per block, which the quantizer returns. Activations are stored in *byte order* (
 within a 256-block, 64 lanes per 2-bit field s, lane l holding column 128*(l//32) + 32*s +
 l%32, so each field of a block's 64 code bytes multiplies one contiguous 64-byte load.
 
-Each block loop prefetches the codes PREFETCH_BYTES ahead (the hardware prefetcher alone: 5 GB/s on one thread,
-9-11 on two; with it 8-10 and 14-17; 8192 bytes beat 2048 by 15 % on a Zen 5); passes of two rows request the
-same block PAIR_AHEAD rows on. The hint is the vendor's (`STREAM_LOCALITY`, figures in the plugin's README): AMD's
-`prefetchnta` (with `prefetcht0` the streamed lines evicted everything else a step uses); Intel's `prefetcht2`
-(there `prefetchnta` fills L1 alone through a few fill buffers: an Emerald Rapids step 103 -> 63 ms).
+Each block loop prefetches the codes PREFETCH_BYTES ahead (the hardware prefetcher alone streamed half as fast; 8192
+bytes beat 2048 by 15 % on a Zen 5), both ends of a block (GGUF aligns tensors to 32 bytes, TQ2_0's blocks are 66 apart:
+one request a block left a line a row to the hardware, 2-5 % of an Emerald Rapids step); passes of several rows request
+the same block PAIR_AHEAD rows on. The hint is the vendor's (`STREAM_LOCALITY`, README figures): AMD's `prefetchnta`
+(`prefetcht0` evicted all else a step uses); Intel's `prefetcht2` (`prefetchnta` fills L1 alone there, through a few
+fill buffers: an Emerald Rapids step 103 -> 63 ms).
 
 The int8 LM head (`emit_q8_dot`) multiplies int8 table rows by int8 activations, which BitNet's
 absmax quantization keeps within [-127, 127]: AVX2 and VNNI take |w| as the unsigned operand and
@@ -353,10 +354,11 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
 
 def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Value,
                  k: ir.Value, x4: bool = False, ahead: ir.Value | None = None) -> tuple[list[ir.Value], ir.Value]:
-    """Block k's code fields (the bytes `ahead` of them prefetched, by default PREFETCH_BYTES; x4 as in `codes`)
-    and the byte offset of its activations."""
+    """Block k's code fields (x4 as in `codes`; the block `ahead` on requested) and its activations' byte offset."""
     wk = builder.gep(w0, [builder.mul(k, wstep)])
-    prefetch_at(builder, wk, PREFETCH_BYTES if ahead is None else ahead, STREAM_LOCALITY)
+    at = ir.Constant(_I64, PREFETCH_BYTES) if ahead is None else ahead
+    for end in (0, BLOCK_BYTES - 1):  # (see the module docstring)
+        prefetch_at(builder, wk, builder.add(at, ir.Constant(_I64, end)), STREAM_LOCALITY)
     return blk.codes(wk, x4=x4), builder.mul(k, ir.Constant(_I64, BLOCK))
 
 
@@ -435,12 +437,10 @@ def emit_q8_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, isa: str
     multiply probe's rate.
     """
     w_i, n_chunks, q_i, stride, ntok, out_i, qsum_i = args[:7]
-    b = builder
-    blk = _Block(builder, isa)
+    b, blk = builder, _Block(builder, isa)
     if rows > 1 and not blk.vnni:
         raise ValueError("several rows per pass are a VNNI pass")
-    n = blk.width
-    v8 = _vec(_I8, n)
+    n, v8 = blk.width, _vec(_I8, blk.width)
     if isa != "generic":
         absb = _declare(b.module, f"llvm.abs.v{n}i8", v8, [v8, ir.IntType(1)])
     if isa == "avx2":
@@ -517,11 +517,10 @@ def emit_peak(builder: ir.IRBuilder, n_iter: ir.Value, isa: str) -> ir.Value:
     if isa == "generic":
         raise ValueError("the generic level has no multiply-add instruction to probe")
     b, blk = builder, _Block(builder, isa)
-    n = blk.width
-    v8 = _vec(_I8, n)
+    v8 = _vec(_I8, blk.width)
     acc_t = blk.acc_type if blk.vnni else _vec(_I16, 16)
     lanes = acc_t.count
-    qs = [ir.Constant(v8, [ir.Constant(_I8, (7 * k + j) % 251 - 125) for j in range(n)]) for k in range(2)]
+    qs = [ir.Constant(v8, [ir.Constant(_I8, (7 * k + j) % 251 - 125) for j in range(blk.width)]) for k in range(2)]
     accs = [cgutils.alloca_once_value(b, ir.Constant(acc_t, [ir.Constant(acc_t.element, k + 1)] * lanes))
             for k in range(PEAK_CHAINS)]
     with cgutils.for_range(b, n_iter):
