@@ -550,6 +550,7 @@ def test_a_waiting_thread_requests_the_rows_its_share_starts_on(part: int, n_par
     lo, hi = part * len(tasks) // n_parts, (part + 1) * len(tasks) // n_parts
     rows = [np.arange(w + r0 * stride, w + r1 * stride, 64) for w, stride, r0, r1, _, _ in tasks[lo:hi]]
     want = np.concatenate(rows)[:k.FETCH_BYTES // 64]
-    got = k.fetch_lines(tasks, part, n_parts)
+    got = k.fetch_lines(tasks, part, n_parts, False)
     assert len(want) == (1720 if n_parts == 3 else k.FETCH_BYTES // 64)
     np.testing.assert_array_equal(got, want)
+    assert len(k.fetch_lines(tasks, part, n_parts, True)) == 0  # the flag already up: straight to the work

@@ -110,35 +110,37 @@ def _next_line(tasks: np.ndarray, hi: int, k: int, at: int, end: int) -> tuple[i
 
 
 @njit(inline="always", cache=CACHE)
-def _wait_fetching(ctrl: np.ndarray, i: int, tasks: np.ndarray, part: int, n_parts: int) -> None:
-    """_wait, meanwhile the first FETCH_BYTES of the rows this part starts the next projection on (`tasks`, its
-    share) requested into L2: a thread waiting on another's serial step leaves the memory bus idle. On the
-    Emerald Rapids Xeon, 2 threads, steps with and without alternating in one process: the stack 21.71 -> 21.27
-    ms at 128-160 positions (192 steps each), 22.45 -> 22.15 at 128-368 (144 steps)."""
+def _fetch_ahead(ctrl: np.ndarray, i: int, tasks: np.ndarray, part: int, n_parts: int, seen: np.ndarray) -> int:
+    """Until ctrl[i] is raised, the first FETCH_BYTES of the rows this part starts the next projection on (`tasks`,
+    its share) requested into L2, each line's address also kept in `seen` while it has room (the tests' record; the
+    region keeps none). Returns how many lines it requested."""
     k, hi = _share(len(tasks), part, n_parts)
     at = end = 0
-    for _ in range(FETCH_BYTES // 64):
+    for n in range(FETCH_BYTES // 64):
         line, k, at, end = _next_line(tasks, hi, k, at, end)
         if line < 0 or atomics.load(ctrl, i) != 0:
-            break
+            return n
         fk.prefetch_keep(line)
+        if n < len(seen):
+            seen[n] = line
+    return FETCH_BYTES // 64
+
+
+@njit(inline="always", cache=CACHE)
+def _wait_fetching(ctrl: np.ndarray, i: int, tasks: np.ndarray, part: int, n_parts: int, seen: np.ndarray) -> None:
+    """_wait, meanwhile `_fetch_ahead`: a thread waiting on another's serial step leaves the memory bus idle. On the
+    Emerald Rapids Xeon, 2 threads, steps with and without alternating in one process: the stack 21.71 -> 21.27
+    ms at 128-160 positions (192 steps each), 22.45 -> 22.15 at 128-368 (144 steps)."""
+    _fetch_ahead(ctrl, i, tasks, part, n_parts, seen)
     _wait(ctrl, i)
 
 
 @njit(cache=CACHE)
-def fetch_lines(tasks: np.ndarray, part: int, n_parts: int) -> np.ndarray:
-    """The lines `_wait_fetching` requests when its wait is long, in its order (for the tests)."""
-    k, hi = _share(len(tasks), part, n_parts)
-    at = end = 0
-    lines = np.empty(FETCH_BYTES // 64, np.int64)
-    n = 0
-    while n < len(lines):
-        line, k, at, end = _next_line(tasks, hi, k, at, end)
-        if line < 0:
-            break
-        lines[n] = line
-        n += 1
-    return lines[:n]
+def fetch_lines(tasks: np.ndarray, part: int, n_parts: int, raised: bool) -> np.ndarray:
+    """The lines `_fetch_ahead` requests, in its order, when the flag stays down (a long wait) or is `raised` already
+    (for the tests)."""
+    seen = np.empty(2 * FETCH_BYTES // 64, np.int64)  # (room past the budget: a walk that overran it would show)
+    return seen[:_fetch_ahead(np.full(1, int(raised), np.int64), 0, tasks, part, n_parts, seen)]
 
 
 @njit(inline="always", cache=CACHE)
@@ -180,13 +182,14 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
     (n, dim), n_layers = xs.shape, qkv_tasks.shape[0]
     per_layer = _PART * (_SHARES + 4 * n_parts)
     isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, rows), np.int32)
+    no_record = np.empty(0, np.int64)  # (_fetch_ahead's record: none here)
     for layer in range(n_layers):
         m = marks[layer, part]
         m[0] = atomics.cycles()
         c = layer * per_layer
         share = c + _PART * _SHARES
         if layer > 0:
-            _wait_fetching(ctrl, c - per_layer + _PART * _LAYER_OUT, qkv_tasks[layer], part, n_parts)
+            _wait_fetching(ctrl, c - per_layer + _PART * _LAYER_OUT, qkv_tasks[layer], part, n_parts, no_record)
         m[ph.QKV] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], dim // BLOCK, qkv_bstride, qd,
                              qtotd, sd, qkv_scale[layer], qkv, kb_dim, isum, acc)
@@ -198,7 +201,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             attn.store_kv(k_roped, qkv[v0:].reshape((n, kv_rows)), keys[layer], values[layer], slots, positions)
             atomics.store(ctrl, c + _PART * _KV_STORED, 1)
         m[ph.QKV_SERIAL] = atomics.cycles()
-        _wait_fetching(ctrl, c + _PART * _KV_STORED, wo_tasks[layer], part, n_parts)
+        _wait_fetching(ctrl, c + _PART * _KV_STORED, wo_tasks[layer], part, n_parts, no_record)
         m[ph.ATTEND] = atomics.cycles()
         ran = 0
         while True:
@@ -216,7 +219,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             _quantize(a_normed, wo_rev, qo, so, qsumo, qtoto)
             atomics.store(ctrl, c + _PART * _WO_IN, 1)
         m[ph.ATTEND_SERIAL] = atomics.cycles()
-        _wait_fetching(ctrl, c + _PART * _WO_IN, wo_tasks[layer], part, n_parts)
+        _wait_fetching(ctrl, c + _PART * _WO_IN, wo_tasks[layer], part, n_parts, no_record)
         m[ph.WO] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], q_rows // BLOCK,
                              wo_bstride, qo, qtoto, so, wo_scale[layer], attended, kb_q, isum, acc)
@@ -227,7 +230,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             _quantize(h, gu_rev, qd, sd, qsumd, qtotd)
             atomics.store(ctrl, c + _PART * _GU_IN, 1)
         m[ph.WO_SERIAL] = atomics.cycles()
-        _wait_fetching(ctrl, c + _PART * _GU_IN, gu_tasks[layer], part, n_parts)
+        _wait_fetching(ctrl, c + _PART * _GU_IN, gu_tasks[layer], part, n_parts, no_record)
         m[ph.GATE_UP] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], dim // BLOCK,
                              gu_bstride, qd, qtotd, sd, gu_scale[layer], gu, kb_dim, isum, acc)
@@ -239,7 +242,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             _quantize(f_normed, d_rev, qf, sf, qsumf, qtotf)
             atomics.store(ctrl, c + _PART * _DOWN_IN, 1)
         m[ph.GATE_UP_SERIAL] = atomics.cycles()
-        _wait_fetching(ctrl, c + _PART * _DOWN_IN, d_tasks[layer], part, n_parts)
+        _wait_fetching(ctrl, c + _PART * _DOWN_IN, d_tasks[layer], part, n_parts, no_record)
         m[ph.DOWN] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], hidden // BLOCK,
                              d_bstride, qf, qtotf, sf, d_scale[layer], down, kb_hidden, isum, acc)
