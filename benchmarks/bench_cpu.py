@@ -20,6 +20,8 @@ prints the head's accuracy against the F16 head, from one more process: top-1 ag
 KL divergence over the cross-validation prompts (bitnet.testing.crossval).
 `--busy N` keeps N processes spinning on the CPU through every run, a shared machine made on purpose:
 how much of its speed each engine keeps when a co-tenant takes cores from it.
+Our KV cache is F16 (`--kv-type`), as llama.cpp's and bitnet.cpp's are by default: attention reads the same bytes
+in each engine (a float32 cache had made our 2-thread step 0.5 ms slower at 128-176 positions).
 
     python benchmarks/bench_cpu.py --model /tmp/m-tq2_0.gguf --threads 1,2 --runs 5
     python benchmarks/bench_cpu.py --model /tmp/m-i2_s.gguf --llama-model /tmp/m-tq2_0.gguf
@@ -80,13 +82,15 @@ def _finish(load_s: float, warm: tuple[float, float], n_prompt: int, prefill_s: 
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_head: str) -> dict[str, Any]:
+def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_head: str,
+                kv_type: str) -> dict[str, Any]:
     import numpy as np
 
     t0 = time.perf_counter()  # from the import: see the module docstring
     import bitnet
 
-    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 16, act_quant=act_quant, lm_head=lm_head)
+    eng = bitnet.load(model, device="cpu", n_ctx=n_prompt + n_decode + 16, act_quant=act_quant, lm_head=lm_head,
+                      kv_type=kv_type)
     load_s = time.perf_counter() - t0
     tr, p = eng.transformer, eng.provider
     ids = _ids(n_prompt, eng.config.vocab_size)
@@ -301,7 +305,7 @@ def _projections(reader: Any) -> list[Any]:
 def spawn(kind: str, args: argparse.Namespace, model: str, threads: int,
           env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     options = ["--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
-               "--act-quant", args.act_quant, "--lm-head", args.lm_head]
+               "--act-quant", args.act_quant, "--lm-head", args.lm_head, "--kv-type", args.kv_type]
     return workers.spawn(str(Path(__file__).resolve()), kind, model, threads, options, args.timeout, env_extra)
 
 
@@ -330,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--act-quant", default="row")
     ap.add_argument("--lm-head", choices=("f16", "q8", "auto"), default="auto",
                     help="our LM head (llama.cpp runs the file's); q8 also prints its accuracy against f16")
+    ap.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
+                    help="our KV cache; llama.cpp's and bitnet.cpp's default, F16, reads the same bytes as theirs")
     ap.add_argument("--bitnet-cpp", metavar="LLAMA_BENCH", help="bitnet.cpp's llama-bench binary")
     ap.add_argument("--bitnet-cpp-model", help="the file bitnet.cpp runs (I2_S, --arch bitnet)")
     ap.add_argument("--no-jit-probe", action="store_true", help="skip the empty-cache first-run measurement")
@@ -342,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(t) for t in str(args.threads).split(",")]
     if args.worker:
         if args.worker == "ours":
-            out = worker_ours(args.model, args.prompt_tokens, args.decode_tokens, args.act_quant, args.lm_head)
+            out = worker_ours(args.model, args.prompt_tokens, args.decode_tokens, args.act_quant, args.lm_head,
+                              args.kv_type)
         elif args.worker == "accuracy":
             out = worker_accuracy(args.model, args.act_quant)
         elif args.worker == "llama":
@@ -374,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     log = sys.stderr
     print(f"model {args.model} ({size_mb:.0f} MiB), llama.cpp on {llama_model}; prompt {args.prompt_tokens}, "
           f"decode {args.decode_tokens} tokens, {args.runs} runs, act_quant {args.act_quant}, "
-          f"our LM head {head_format}; a decode step reads {step_gb:.2f} GB", file=log, flush=True)
+          f"our LM head {head_format}, KV cache {args.kv_type}; a decode step reads {step_gb:.2f} GB",
+          file=log, flush=True)
     jit = {}
     if not args.no_jit_probe:
         with tempfile.TemporaryDirectory() as cache:
@@ -453,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = {f"{k}:{t}": v for (k, t), v in results.items()}
         args.json.write_text(json.dumps({"runs": runs, "bandwidth_gbps": bandwidth, "multiply_gops": compute,
                                          "multiply_level": level, "products_per_token": products, "jit": jit,
-                                         "decode_gb": step_gb, "lm_head": head_format, "lm_head_accuracy": accuracy},
+                                         "decode_gb": step_gb, "lm_head": head_format, "kv_type": args.kv_type,
+                                         "lm_head_accuracy": accuracy},
                                         indent=1))
     return 0
 
