@@ -85,6 +85,14 @@ def test_forward_batch_rejects_inconsistent_batches() -> None:
         tr.forward_batch(np.array([1, 2, 3]), np.array([0, 1, 0]), np.array([0, 0, 1]), np.array([2]))
     with pytest.raises(UsageError, match="ascending"):
         tr.forward_batch(np.array([1, 2]), np.array([0, 0]), np.array([0, 1]), np.array([1, 0]))
+    with pytest.raises(UsageError, match="ascending"):
+        tr.forward_batch(np.array([1, 2]), np.array([0, 0]), np.array([0, 1]), np.array([1, 1]))
+    with pytest.raises(UsageError, match="ascending"):
+        tr.forward_batch(one, np.array([0]), np.array([0]), np.array([1]))
+    for bad in (-1, tr.config.vocab_size):
+        with pytest.raises(UsageError, match="token id out of range"):
+            tr.forward_batch(np.array([bad]), np.array([0]), np.array([0]), np.array([0]))
+    assert tr.filled == [0, 0]  # refused batches stored nothing
 
 
 # -- continuous batching ----------------------------------------------------------------------------

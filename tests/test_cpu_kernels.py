@@ -441,6 +441,10 @@ def test_q8_lm_head_is_bit_exact(cpu: CpuProvider, vocab: int, dim: int, n: int)
     table[vocab // 2] = 0
     x = (rng.standard_normal((n, dim)) * 3).astype(np.float32)
     x[0, :3] = [40.0, -40.0, 0.5]  # both extreme codes
+    if n > 1:  # the activations' own rounding: a zero row (scale 1), and halves at scale 1 (to even, as NumPy's rint)
+        x[1] = 0
+        x[-1] = np.clip(x[-1], -100, 100)
+        x[-1, :5] = [127.0, 2.5, -3.5, 0.5, -0.5]
     got = cpu.lm_head_q8(x, cpu.upload_q8(table))
     np.testing.assert_array_equal(got, REF.lm_head_q8(x, q8_table(table)))
     assert "cpu.lm_head_q8" in cpu.dispatches

@@ -26,7 +26,7 @@ from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime import q8_cache
 from bitnet.runtime.provider import ACTIVATIONS, KV_DTYPES, LayerWeights, kv_zeros
-from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots, quantize_rows
+from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots
 
 from . import attention as attn
 from . import float_kernels as fk
@@ -376,10 +376,10 @@ class CpuProvider(ReferenceProvider):
     def lm_head_q8(self, x: Any, table: Q8Table) -> Any:
         self.record("cpu.lm_head_q8")
         self._use_threads()
-        q, s = quantize_rows(x)  # NumPy: a few rows, and the reference's own rounding
-        out = np.empty((q.shape[0], table.shape[0]), dtype=np.float32)
-        q8 = self._tk.int8_rows(*q.shape)  # rows on cache lines (see int8_rows)
-        q8[...] = q  # |q| <= 127: absmax
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], table.shape[0]), dtype=np.float32)
+        q8, s = self._tk.int8_rows(*x.shape), np.empty(x.shape[0], np.float32)  # rows on cache lines (see int8_rows)
+        fk.q8_rows(x, q8, s)
         self._tk.lm_head_q8(q8, s, table.q, table.scale, _LM_HEAD_ROWS, out)
         return out
 
