@@ -37,6 +37,36 @@ def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, dim: int, n: i
     assert np.array_equal(cpu_float.argmax(got), REF.argmax(want))
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_lm_head_at_either_width(dtype: type, lanes: int) -> None:
+    # The head's row dots are a ymm wide on AVX2 hosts and a zmm on AVX-512 ones (isa.float_lanes): both widths
+    # built here, whatever the host, against the reference and alone against in a batch. 116 columns: 3 whole
+    # steps, 2 or 0 lane steps and 4 or 20 columns one by one; 7 tokens: passes of 4 and 3.
+    import numba
+
+    head = fk._make_head(dtype == np.float16, lanes)
+
+    @numba.njit(parallel=True)
+    def run(x: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
+        head(x, table, 64, out)
+
+    rng = np.random.default_rng(lanes)
+    for vocab, dim in [(301, 116), (129, 512)]:
+        table = rng.standard_normal((vocab, dim)).astype(dtype)
+        bits = table.view(np.uint16) if dtype == np.float16 else table
+
+        def logits(x: np.ndarray, bits: np.ndarray = bits) -> np.ndarray:
+            out = np.empty((x.shape[0], bits.shape[0]), np.float32)
+            run(x, bits, out)
+            return out
+
+        x = rng.standard_normal((7, dim)).astype(np.float32)
+        got = logits(x)
+        assert rel_err(got, REF.lm_head(x, REF.upload_float(table))) < 1e-5, (vocab, dim)
+        np.testing.assert_array_equal(got, one_by_one(logits, x))
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_q8_table_is_the_references(cpu_float: CpuProvider, dtype: type) -> None:
     # The numba build of the int8 table (F16 converted in registers) gives the reference's codes and scales.

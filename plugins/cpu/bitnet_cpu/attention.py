@@ -120,19 +120,13 @@ def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None
     _in_head_chunks(b, n_heads, chunk)
 
 
-def _value_lanes() -> int:
-    """float32 lanes of the values pass's vectors: one zmm where the host runs the AVX-512 level (numba's CPU
-    overrides counted, as for the int kernels), else one ymm. A vector
-    column's sum is the same FMAs in the same order at either width, so a head dim that is a multiple of 16
-    gives the same bits on both kinds of host (the columns past the last whole vector are summed one by one,
-    in an order LLVM may vectorize under fast-math: at 124 columns, 8 of them differ in the last bit). At 16
-    lanes, 16 accumulators take half the FMAs and broadcasts of 8 lanes' 8: F16 attention had run
-    compute-bound, as fast from cache as from memory (Zen 5: 141 -> 118 us a layer at 1024 positions, one
-    thread, from cache)."""
-    return 16 if "avx512vnni" in isa.host_levels() else 8
-
-
-_VALUE_LANES = _value_lanes()
+# float32 lanes of the values pass's vectors (isa.float_lanes). A vector column's sum is the same FMAs in the same
+# order at either width, so a head dim that is a multiple of 16 gives the same bits on both kinds of host (the
+# columns past the last whole vector are summed one by one, in an order LLVM may vectorize under fast-math: at
+# 124 columns, 8 of them differ in the last bit). At 16 lanes, 16 accumulators take half the FMAs and broadcasts
+# of 8 lanes' 8: F16 attention had run compute-bound, as fast from cache as from memory (Zen 5: 141 -> 118 us a
+# layer at 1024 positions, one thread, from cache).
+_VALUE_LANES = isa.float_lanes()
 
 
 def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: bool) -> None:

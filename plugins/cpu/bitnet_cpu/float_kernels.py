@@ -6,8 +6,9 @@ shape), so it streams the F16 table once, converting in registers: numba has no 
 type, so the dot (`emit_rows_dot`, LLVM IR) reads the uint16 bits as LLVM `half` vectors and
 extends them (`vcvtph2ps` on F16C/AVX-512 hosts). The table is validated finite at load, so no
 NaN/Inf special cases are needed. Each (row, token) sums in two float32 vector accumulators that
-take alternate 8-column steps over the whole row, in an order fixed by the IR and the same however
-many rows and tokens a pass takes, so a token's logits never depend on its batch; they stay within
+take alternate 8- or 16-column steps (a ymm, or a zmm on AVX-512 hosts) over the whole row, in an order
+fixed by the IR and the same however many rows and tokens a pass takes, so a token's logits never depend
+on its batch; they stay within
 ~1e-6 relative of the float64 reference. A pass takes one or two tokens over two rows, or four
 tokens over one row: each converted vector serves every token of the pass, each token vector every
 row, and 8 accumulators at most leave AVX2's other registers to the operands (16 spilled). Each
@@ -29,7 +30,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bitnet_cpu import dot_ir
+from bitnet_cpu import dot_ir, isa
 
 
 @intrinsic
@@ -49,37 +50,39 @@ def _as_float(typingctx: Any, x: Any) -> Any:
 _ACCS = 2  # accumulators per (row, token), taking alternate lane steps: two FMA chains in flight
 # (tokens, table rows) per pass: at most 8 of AVX2's 16 registers accumulate; the last takes any row count
 _PASSES = ((1, 2), (2, 2), (4, 1))
-_LANES = 8  # float32 lanes of an accumulator (one AVX2 register)
-_UNROLL = 4  # lane steps per loop iteration: one 64-byte line of an F16 row
-_STEP = _LANES * _UNROLL
+_STEP = 32  # columns per loop iteration: one 64-byte line of an F16 row, in lane steps of 8 or 16 columns
+# float32 lanes of an accumulator: a zmm on AVX-512 hosts, where 8 lanes (a ymm) had left the F16 head below the
+# stream: on the 2-core Emerald Rapids Xeon 12.2 -> 14.2 GB/s on one thread, 23-25 -> 27-28 on two (2B-4T's
+# 128256 x 2560 table, alternating in one process; the int8 head's dot streams at 15.2 / 29.2 there).
+_LANES = isa.float_lanes()
 
 
-def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool, lanes: int = _LANES) -> ir.Value:
+def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool, lanes: int) -> ir.Value:
     """`lanes` values of a row (F16 with half, converted) from index `at` on, as float32."""
     elem, size = (ir.HalfType(), 2) if half else (ir.FloatType(), 4)
     v = b.load(b.bitcast(b.gep(row, [at]), ir.VectorType(elem, lanes).as_pointer()), align=size)
     return b.fpext(v, ir.VectorType(ir.FloatType(), lanes)) if half else v
 
 
-def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, half: bool) -> None:
+def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, half: bool, lanes: int) -> None:
     """The body of dot(w_addr, w_stride, n, x_addr, x_stride, n_tok, out_addr, out_stride), all i64:
     float32 out[t][r] = the sum over i < n of w_r[i] * x_t[i], for `rows` table rows w_r (F16 with
     half, else float32; w_stride bytes apart) and up to `tile` token rows x_t (float32, x_stride bytes
     apart; tokens past n_tok reuse the last and are not stored), out rows out_stride bytes apart.
 
-    Each (row, token) sums in _ACCS vector accumulators over the whole row: the k-th 8-column lane
-    step of each whole _STEP into accumulator k % _ACCS, the lane steps after the last whole _STEP
+    Each (row, token) sums in _ACCS vector accumulators of `lanes` floats over the whole row: the k-th
+    lane step of each whole _STEP into accumulator k % _ACCS, the lane steps after the last whole _STEP
     into the first; then the accumulators added, their lanes folded in halves, and the columns past
     the last whole lane step added one by one. That order is the same for any rows x tile, so a
-    token's logits are the same bits alone or in a batch. A converted F16 vector serves all `tile`
-    tokens, an x vector all `rows` rows.
+    token's logits are the same bits alone or in a batch (for one `lanes`: the host's). A converted F16
+    vector serves all `tile` tokens, an x vector all `rows` rows.
     """
     w_i, w_stride, n, x_i, xstride, ntok, out_i, out_stride = args
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     elem, size = (ir.HalfType(), 2) if half else (f32, 4)
-    vf = ir.VectorType(f32, _LANES)
+    vf = ir.VectorType(f32, lanes)
     mod = b.module
-    fma_v = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{_LANES}f32")
+    fma_v = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{lanes}f32")
     i8p = ir.IntType(8).as_pointer()
     ws = [b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, r), w_stride)), elem.as_pointer()) for r in range(rows)]
     ahead = b.inttoptr(b.add(w_i, b.mul(ir.Constant(i64, rows), w_stride)), i8p)
@@ -92,7 +95,7 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
             for _ in range(rows)]
 
     def lane_step(i: ir.Value, a: int) -> None:
-        wv = [_f32_vector(b, w, i, half) for w in ws]
+        wv = [_f32_vector(b, w, i, half, lanes) for w in ws]
         for t in range(tile):
             xv = b.load(b.bitcast(b.gep(xs[t], [i]), vf.as_pointer()), align=4)
             for r in range(rows):
@@ -103,16 +106,16 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
         for line in range(0, rows * _STEP * size, 64):  # the next pass's rows, as far along as this pass is
             where = b.add(b.mul(i0, ir.Constant(i64, rows * size)), ir.Constant(i64, line))
             dot_ir.prefetch_at(b, ahead, where, dot_ir.STREAM_LOCALITY)
-        for u in range(_UNROLL):
-            lane_step(b.add(i0, ir.Constant(i64, u * _LANES)), u % _ACCS)
+        for u in range(_STEP // lanes):
+            lane_step(b.add(i0, ir.Constant(i64, u * lanes)), u % _ACCS)
     done = b.mul(b.sdiv(n, ir.Constant(i64, _STEP)), ir.Constant(i64, _STEP))
-    with cgutils.for_range(b, b.sdiv(b.sub(n, done), ir.Constant(i64, _LANES))) as loop:
-        lane_step(b.add(done, b.mul(loop.index, ir.Constant(i64, _LANES))), 0)
-    done = b.mul(b.sdiv(n, ir.Constant(i64, _LANES)), ir.Constant(i64, _LANES))
+    with cgutils.for_range(b, b.sdiv(b.sub(n, done), ir.Constant(i64, lanes))) as loop:
+        lane_step(b.add(done, b.mul(loop.index, ir.Constant(i64, lanes))), 0)
+    done = b.mul(b.sdiv(n, ir.Constant(i64, lanes)), ir.Constant(i64, lanes))
     sums = [[None] * tile for _ in range(rows)]
     for r in range(rows):
         for t in range(tile):
-            v, width = b.fadd(*[b.load(a) for a in accs[r][t]]), _LANES
+            v, width = b.fadd(*[b.load(a) for a in accs[r][t]]), lanes
             while width > 1:
                 width //= 2
                 halves = [b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(k, k + width))))
@@ -159,12 +162,12 @@ def _make_prefetch(locality: int) -> Any:
 prefetch, prefetch_keep = _make_prefetch(dot_ir.STREAM_LOCALITY), _make_prefetch(2)
 
 
-def _make_rows_dot(rows: int, tile: int, half: bool) -> Any:
+def _make_rows_dot(rows: int, tile: int, half: bool, lanes: int) -> Any:
     @intrinsic
     def dot(typingctx: Any, w_addr: Any, w_stride: Any, n: Any, x_addr: Any, x_stride: Any, n_tok: Any,
             out_addr: Any, out_stride: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_rows_dot(builder, list(args), rows, tile, half)
+            emit_rows_dot(builder, list(args), rows, tile, half, lanes)
             return context.get_dummy_value()
 
         return types.void(*[types.intp] * 8), codegen
@@ -172,10 +175,10 @@ def _make_rows_dot(rows: int, tile: int, half: bool) -> Any:
     return dot
 
 
-def _make_pass(tile: int, rows: int, half: bool) -> Any:
+def _make_pass(tile: int, rows: int, half: bool, lanes: int) -> Any:
     """Rows lo.. of the head for any number of tokens in passes of `tile` tokens and `rows` rows; returns
     the first row it left (fewer than `rows` before hi)."""
-    dot = _make_rows_dot(rows, tile, half)
+    dot = _make_rows_dot(rows, tile, half, lanes)
 
     @njit(inline="always")
     def rows_pass(x: np.ndarray, table: np.ndarray, lo: int, hi: int, out: np.ndarray) -> int:
@@ -189,9 +192,10 @@ def _make_pass(tile: int, rows: int, half: bool) -> Any:
     return rows_pass
 
 
-def _make_head(half: bool) -> Any:
-    """The LM head over a table of F16 bits (uint16: numba has no float16 arrays) or of float32."""
-    pass1, pass2, pass4 = (_make_pass(tile, rows, half) for tile, rows in _PASSES)
+def _make_head(half: bool, lanes: int = _LANES) -> Any:
+    """The LM head over a table of F16 bits (uint16: numba has no float16 arrays) or of float32, its row dots
+    `lanes` floats wide (the host's; the tests build both widths)."""
+    pass1, pass2, pass4 = (_make_pass(tile, rows, half, lanes) for tile, rows in _PASSES)
 
     @njit(inline="always")
     def head(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:

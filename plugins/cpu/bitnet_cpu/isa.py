@@ -81,6 +81,13 @@ def l1_data_bytes(caches: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     return 32 << 10
 
 
+def float_lanes() -> int:
+    """float32 lanes of the float kernels' vectors (the LM head's row dots, attention's values pass): one zmm where
+    the host runs the AVX-512 level (numba's CPU overrides counted, as for the int kernels), else one ymm. Keyed
+    to the host, not to BITNET_CPU_ISA: numba's disk cache keys the float kernels by the host CPU alone."""
+    return 16 if "avx512vnni" in host_levels() else 8
+
+
 def wide_bytes() -> int:
     """How many bytes of a row's activations a WIDE pass of BitLinear takes at a time (int_kernels.matmul_rowscale):
     two thirds of L1, the rest for the codes streaming through. At 8 tokens the 6912-column down projection then
