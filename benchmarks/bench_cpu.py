@@ -303,9 +303,9 @@ def _projections(reader: Any) -> list[Any]:
 
 
 def spawn(kind: str, args: argparse.Namespace, model: str, threads: int,
-          env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+          env_extra: dict[str, str] | None = None, lm_head: str | None = None) -> dict[str, Any]:
     options = ["--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
-               "--act-quant", args.act_quant, "--lm-head", args.lm_head, "--kv-type", args.kv_type]
+               "--act-quant", args.act_quant, "--lm-head", lm_head or args.lm_head, "--kv-type", args.kv_type]
     return workers.spawn(str(Path(__file__).resolve()), kind, model, threads, options, args.timeout, env_extra)
 
 
@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--act-quant", default="row")
     ap.add_argument("--lm-head", choices=("f16", "q8", "auto"), default="auto",
                     help="our LM head (llama.cpp runs the file's); q8 also prints its accuracy against f16")
+    ap.add_argument("--with-f16-head", action="store_true",
+                    help="with --lm-head q8: our F16 head runs in each round too, so the int8 head's decode ratio "
+                         "to it is measured in one run")
     ap.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
                     help="our KV cache; llama.cpp's and bitnet.cpp's default, F16, reads the same bytes as theirs")
     ap.add_argument("--bitnet-cpp", metavar="LLAMA_BENCH", help="bitnet.cpp's llama-bench binary")
@@ -377,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     size_mb = os.path.getsize(args.model) / 2**20
     stack_bytes, head_bytes, head_format = decode_bytes(args.model, args.lm_head)
     step_gb = (stack_bytes + head_bytes) / 1e9
+    if args.with_f16_head and head_format != "q8":
+        ap.error(f"--with-f16-head compares the int8 head with the F16 one; our head here is {head_format}")
+    f16_step_gb = sum(decode_bytes(args.model, "f16")[:2]) / 1e9
     products = token_products(args.model)
     log = sys.stderr
     print(f"model {args.model} ({size_mb:.0f} MiB), llama.cpp on {llama_model}; prompt {args.prompt_tokens}, "
@@ -391,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     bandwidth = dict.fromkeys(threads, 0.0)  # the best probe of all runs: background load only lowers it
     compute, level = dict.fromkeys(threads, 0.0), "generic"
-    engines = ["ours", "llama"] + (["bitnet.cpp"] if args.bitnet_cpp else [])
-    names = {"ours": "ours", "llama": "llama.cpp", "bitnet.cpp": "bitnet.cpp"}
+    engines = ["ours"] + (["ours_f16"] if args.with_f16_head else []) + ["llama"] + (
+        ["bitnet.cpp"] if args.bitnet_cpp else [])
+    names = {"ours": "ours", "ours_f16": "ours f16", "llama": "llama.cpp", "bitnet.cpp": "bitnet.cpp"}
+    others = [k for k in engines if k not in ("ours", "ours_f16")]
     if args.busy:
         print(f"{args.busy} busy co-tenant process(es) spin beside every run", file=log, flush=True)
     with workers.busy(args.busy):
@@ -405,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                     if kind == "bitnet.cpp":
                         r = bitnet_cpp(args.bitnet_cpp, args.bitnet_cpp_model or args.model, t, args.prompt_tokens,
                                        args.decode_tokens, args.timeout)
+                    elif kind == "ours_f16":
+                        r = spawn("ours", args, args.model, t, lm_head="f16")
                     else:
                         r = spawn(kind, args, args.model if kind == "ours" else llama_model, t)
                     results.setdefault((kind, t), []).append(r)
@@ -421,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print("-" * len(head))
     for t in threads:
-        limit = bandwidth[t] / step_gb
         for kind in engines:
+            limit = bandwidth[t] / (f16_step_gb if kind == "ours_f16" else step_gb)
             dec = med(kind, t, "decode_tps")
             runs = [r["decode_tps"] for r in results[(kind, t)]]
             print(f"{t:>3} {names[kind]:<12}{dec:>11.2f}"
@@ -430,11 +440,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{med(kind, t, 'rss_mb'):>9.0f}"
                   f"{med(kind, t, 'rss_mb') / size_mb:>9.2f}{limit:>13.2f}{dec / limit:>9.0%}"
                   f"{max(runs) / min(runs):>8.2f}")
-        for other in engines[1:]:
+        for other in others:
             ratios = {k: med("ours", t, k) / med(other, t, k)
                       for k in ("decode_tps", "prefill_tps", "load_s", "ready_s", "rss_mb")}
             print(f"{t:>3} {'ours/' + names[other]:<12}{ratios['decode_tps']:>11.2f}{ratios['prefill_tps']:>12.2f}"
                   f"{ratios['load_s']:>8.2f}{ratios['ready_s']:>8.2f}{ratios['rss_mb']:>9.2f}")
+        if args.with_f16_head:  # round by round: the two heads ran minutes apart at most
+            pairs = zip(results[("ours", t)], results[("ours_f16", t)], strict=True)
+            rounds = [q["decode_tps"] / f["decode_tps"] for q, f in pairs]
+            print(f"{t:>3} our int8 head decodes {statistics.median(rounds):.2f}x our F16 head (median of the rounds' "
+                  f"ratios, {min(rounds):.2f}-{max(rounds):.2f})")
         print(f"{t:>3} bandwidth probe {bandwidth[t]:.1f} GB/s; spread = max/min decode over the runs; "
               "ready = load + what the first forward pass costs beyond a second one")
         phases = [r["stack_phases"] for r in results[("ours", t)] if r.get("stack_phases")]

@@ -54,6 +54,15 @@ def test_bench_cpu_bad_files_are_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(f"no such file: {missing}")
 
 
+def test_bench_cpu_compares_heads_only_for_the_int8_head(tmp_path: Path) -> None:
+    tiny = tmp_path / "tiny.gguf"
+    subprocess.run([sys.executable, "-m", "bitnet.modelfile.writer", str(tiny), "--preset", "tiny", "--weight-type",
+                    "tq2_0"], check=True, capture_output=True, timeout=120)
+    r = bench_cpu("--model", str(tiny), "--with-f16-head", "--lm-head", "f16")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "--with-f16-head compares the int8 head with the F16 one; our head here is f16")
+
+
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
