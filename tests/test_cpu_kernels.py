@@ -507,22 +507,27 @@ def test_providers_of_different_thread_counts_take_turns_in_one_thread() -> None
     assert seen == [1, 2, 1, 2]
 
 
-def test_long_bitlinear_tasks_are_handed_out_one_at_a_time() -> None:
-    # A prefill's BitLinear tasks go one by one to whichever thread is free, so a core a co-tenant takes
-    # does fewer of them; a decode step's short tasks, and the other kernels, keep one share per thread.
-    from bitnet_cpu.provider import _LONG_TASK_TOKENS
+def test_long_tasks_are_handed_out_a_few_at_a_time() -> None:
+    # A prefill's BitLinear tasks go one by one to whichever thread is free, and the LM heads' a few at a time,
+    # so a core a co-tenant takes does fewer of them; a decode step's short tasks, and the other kernels, keep
+    # one share per thread.
+    from bitnet_cpu.provider import _LM_HEAD_CHUNK, _LONG_TASK_TOKENS
 
     p = provider(2)
     rng = np.random.default_rng(9)
     w = p.upload_ternary(ternary(rng, 200, 256, False))
     table = rng.standard_normal((300, 256)).astype(np.float16)
+    x = rng.standard_normal((_LONG_TASK_TOKENS, 256)).astype(np.float32)
     seen = []
     for n in (_LONG_TASK_TOKENS, _LONG_TASK_TOKENS - 1, _LONG_TASK_TOKENS):
-        p.bitlinear(rng.standard_normal((n, 256)).astype(np.float32), w, "row")
+        p.bitlinear(x[:n], w, "row")
         seen.append(numba.get_parallel_chunksize())
-    p.lm_head(rng.standard_normal((_LONG_TASK_TOKENS, 256)).astype(np.float32), table)
-    seen.append(numba.get_parallel_chunksize())
-    assert seen == [1, 0, 1, 0]
+    q8 = p.upload_q8(table)
+    for run in (lambda: p.lm_head(x[:1], table), lambda: p.bitlinear(x[:1], w, "row"),
+                lambda: p.lm_head_q8(x[:1], q8), lambda: p.bitlinear(x[:1], w, "row")):
+        run()
+        seen.append(numba.get_parallel_chunksize())
+    assert _LM_HEAD_CHUNK > 1 and seen == [1, 0, 1, _LM_HEAD_CHUNK, 0, _LM_HEAD_CHUNK, 0]
 
 
 def test_the_region_stamps_every_phase_of_every_layer_and_thread(cpu: CpuProvider) -> None:

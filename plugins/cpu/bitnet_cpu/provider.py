@@ -52,6 +52,9 @@ _STACK_TOKENS = 8
 _Q8_BUILD_ROWS = 8192
 # LM-head rows per parallel task: 2.5 MB of F16 at dim 2560, many tasks for few threads.
 _LM_HEAD_ROWS = 512
+# LM-head tasks a thread takes at a time (see _use_threads): the head is a decode step's longest parallel loop
+# (11-25 ms for 2B-4T at 2 threads), and in shares a thread preempted mid-share held up the whole step.
+_LM_HEAD_CHUNK = 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -231,18 +234,17 @@ class CpuProvider(ReferenceProvider):
         self.stack_marks = np.zeros((0, 0, stack_phases.MARKS), np.int64)
         self._use_threads()
 
-    def _use_threads(self, one_task_at_a_time: bool = False) -> None:
+    def _use_threads(self, chunk: int = 0) -> None:
         """numba's thread count is per calling thread: set ours in whichever thread runs a kernel. What was
         set is remembered per thread: asking numba costs 2.5 us, and a decode step makes ~180 kernel calls.
 
         By default a parallel loop gives each thread one equal share of its tasks and returns when the
-        slowest share is done. one_task_at_a_time hands them out one by one (numba's chunk size 1), so a
-        thread that a co-tenant slows down takes fewer; a handout costs a few microseconds, so only long
-        tasks go this way (prefill's BitLinear: 0.7-2 ms each at 128 tokens). On the 2-core EPYC beside
-        one busy process, 2-thread prefill of 128 tokens ran 16.3 tokens/s in shares and 17.8 one task at
-        a time (medians of 4); quiet, 27.9 and 27.8.
+        slowest share is done. A chunk size hands them out `chunk` at a time, so a thread that a co-tenant
+        slows down takes fewer; a handout costs a few microseconds, so only long loops go this way:
+        prefill's BitLinear one task at a time (0.7-2 ms each at 128 tokens; on the 2-core EPYC beside one
+        busy process, 2-thread prefill of 128 tokens ran 16.3 tokens/s in shares and 17.8 one task at a
+        time, medians of 4; quiet, 27.9 and 27.8), the LM head _LM_HEAD_CHUNK tasks at a time.
         """
-        chunk = 1 if one_task_at_a_time else 0
         if getattr(_numba_threads, "n", None) != self.n_threads:
             numba.set_num_threads(self.n_threads)
             _numba_threads.n = self.n_threads
@@ -269,7 +271,7 @@ class CpuProvider(ReferenceProvider):
         check_act_quant(act_quant)
         if act_quant == "none":
             return tuple(np.ascontiguousarray(y) for y in np.hsplit(self._bitlinear_float(x, w), w.starts[1:]))
-        self._use_threads(one_task_at_a_time=len(x) >= _LONG_TASK_TOKENS)
+        self._use_threads(chunk=int(len(x) >= _LONG_TASK_TOKENS))
         x = zero_extend(np.ascontiguousarray(x, dtype=np.float32), w.cols)  # widths not whole blocks
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
@@ -345,7 +347,7 @@ class CpuProvider(ReferenceProvider):
         return y
 
     def lm_head(self, x: Any, table: Any) -> Any:
-        self._use_threads()
+        self._use_threads(_LM_HEAD_CHUNK)
         x = np.ascontiguousarray(x, dtype=np.float32)
         table = np.asarray(table)
         out = np.empty((x.shape[0], table.shape[0]), dtype=np.float32)
@@ -375,7 +377,7 @@ class CpuProvider(ReferenceProvider):
 
     def lm_head_q8(self, x: Any, table: Q8Table) -> Any:
         self.record("cpu.lm_head_q8")
-        self._use_threads()
+        self._use_threads(_LM_HEAD_CHUNK)
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], table.shape[0]), dtype=np.float32)
         q8, s = self._tk.int8_rows(*x.shape), np.empty(x.shape[0], np.float32)  # rows on cache lines (see int8_rows)
