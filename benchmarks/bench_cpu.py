@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     step_gb = (stack_bytes + head_bytes) / 1e9
     if args.with_f16_head and head_format != "q8":
         ap.error(f"--with-f16-head compares the int8 head with the F16 one; our head here is {head_format}")
-    f16_step_gb = sum(decode_bytes(args.model, "f16")[:2]) / 1e9
+    f16_step_gb = (stack_bytes + decode_bytes(args.model, "f16")[1]) / 1e9 if args.with_f16_head else step_gb
     products = token_products(args.model)
     log = sys.stderr
     print(f"model {args.model} ({size_mb:.0f} MiB), llama.cpp on {llama_model}; prompt {args.prompt_tokens}, "

@@ -42,7 +42,7 @@ def test_lm_head(cpu_float: CpuProvider, dtype: type, vocab: int, dim: int, n: i
 def test_lm_head_at_either_width(dtype: type, lanes: int) -> None:
     # The head's row dots are a ymm wide on AVX2 hosts and a zmm on AVX-512 ones (isa.float_lanes): both widths
     # built here, whatever the host, against the reference and alone against in a batch. 116 columns: 3 whole
-    # steps, 2 or 0 lane steps and 4 or 20 columns one by one; 7 tokens: passes of 4 and 3.
+    # steps, 2 lane steps of 8 or 1 of 16, then 4 columns one by one; 7 tokens: passes of 4 and 3.
     import numba
 
     head = fk._make_head(dtype == np.float16, lanes)
