@@ -271,7 +271,7 @@ class CpuProvider(ReferenceProvider):
         check_act_quant(act_quant)
         if act_quant == "none":
             return tuple(np.ascontiguousarray(y) for y in np.hsplit(self._bitlinear_float(x, w), w.starts[1:]))
-        self._use_threads(chunk=int(len(x) >= _LONG_TASK_TOKENS))
+        self._use_threads(1 if len(x) >= _LONG_TASK_TOKENS else 0)
         x = zero_extend(np.ascontiguousarray(x, dtype=np.float32), w.cols)  # widths not whole blocks
         if act_quant == "block256":
             self.record("cpu.bitlinear_blockscale_block256")
