@@ -7,6 +7,7 @@ import pytest
 from float_reference import forward, random_model
 
 from bitnet.errors import UsageError
+from bitnet.runtime import transformer
 from bitnet.runtime.reference import ReferenceProvider
 from bitnet.runtime.transformer import Transformer
 from bitnet_cpu.provider import CpuProvider
@@ -80,6 +81,28 @@ def test_prefill_equals_decode(provider_cls: type, act_quant: str) -> None:
     last = tr.provider.to_host(tr.forward(ids[4:], 4, all_logits=False))
     assert last.shape == (1, 300)
     np.testing.assert_allclose(last[0], batch[-1], rtol=1e-4, atol=1e-4 * np.abs(batch).max())
+
+
+@pytest.mark.parametrize("provider_cls", PROVIDERS)
+def test_long_prompt_runs_in_chunks(provider_cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    tr = Transformer(random_model(seed=2, n_kv_heads=1, tied=False), provider_cls(), 16, "row")
+    ids, p = np.array(IDS), tr.provider
+    at = np.arange(len(ids), dtype=np.int32)
+    whole = p.to_host(tr.forward_batch(ids, np.zeros(len(ids), np.int32), at, at))
+    sizes: list[int] = []
+    embed = p.embed
+    monkeypatch.setattr(p, "embed", lambda table, i: sizes.append(len(i)) or embed(table, i))
+    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 4)
+    tr.reset()
+    np.testing.assert_array_equal(p.to_host(tr.forward(ids, 0, all_logits=True)), whole)
+    assert sizes == [4, 4, 3]
+    tr.reset()
+    np.testing.assert_array_equal(p.to_host(tr.forward(ids, 0, all_logits=False)), whole[-1:])
+    assert sizes == [4, 4, 3] * 2 and tr.filled == [len(ids)]
+    tr.reset()  # a bad token in the last chunk is refused before the first chunk writes the cache
+    with pytest.raises(UsageError, match="out of range"):
+        tr.forward(np.array([*IDS[:-1], 300]), 0, all_logits=False)
+    assert tr.filled == [0] and sizes == [4, 4, 3] * 2
 
 
 def test_records_every_operation_as_dispatched() -> None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bitnet.errors import UsageError
+from bitnet.runtime.transformer import PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from bitnet.runtime.engine import Engine, Step
@@ -136,7 +137,7 @@ class Scheduler:
     """Runs requests on one engine with `n_slots` sequence slots; at most `max_queue` wait for a slot."""
 
     def __init__(self, engine: Engine, n_slots: int | None = None, max_queue: int = 64,
-                 step_tokens: int = 256, prefill_chunk: int = 128) -> None:
+                 step_tokens: int = 256, prefill_chunk: int = PREFILL_CHUNK) -> None:
         n_slots = engine.n_seqs if n_slots is None else n_slots
         if not 1 <= n_slots <= engine.n_seqs:
             raise UsageError(f"n_slots must be in 1..{engine.n_seqs} (the engine's sequence slots), got {n_slots}")

@@ -24,6 +24,13 @@ if TYPE_CHECKING:
     from bitnet.modelfile.model import Model
 
 
+# Tokens a prompt runs through the layers at a time: its activations stay in a core's L2. Prefill of 2B-4T
+# (I2_S, 2 threads, Emerald Rapids), tokens/s by chunk: 512 tokens 148 whole / 155 at 256 / 157 at 128 / 146 at
+# 64; 1024 tokens 110 whole / 140 at 128; 2048 tokens 83 whole / 117 at 128; 4000 tokens 62 whole / 88 at 128, and
+# peak RSS 1836 -> 1418 MiB.
+PREFILL_CHUNK = 128
+
+
 class Transformer:
     """Weights resident on one provider, a KV cache of n_seqs sequence slots of n_ctx positions each,
     and the forward pass over a batch of tokens from any of the slots.
@@ -96,7 +103,10 @@ class Transformer:
         self.filled = [0] * self.n_seqs
 
     def forward(self, ids: np.ndarray, pos0: int, all_logits: bool, slot: int = 0) -> Any:
-        """Run tokens `ids` of one sequence at positions pos0..; logits handle of all rows or the last."""
+        """Run tokens `ids` of one sequence at positions pos0..; logits handle of all rows or the last.
+
+        A prompt longer than PREFILL_CHUNK runs a chunk at a time: the same bits, since rows are computed on
+        their own, and its activations' peak stays that of one chunk."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         n = len(ids)
         if n == 0:
@@ -104,8 +114,17 @@ class Transformer:
         if pos0 + n > self.n_ctx:
             what = f"prompt of {n} tokens exceeds" if pos0 == 0 else f"{n} token(s) at position {pos0} exceed"
             raise UsageError(f"{what} the context of {self.n_ctx}")
-        rows = np.arange(n, dtype=np.int32) if all_logits else np.array([n - 1], np.int32)
-        return self.forward_batch(ids, np.full(n, slot, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32), rows)
+        slots, positions = np.full(n, slot, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
+        if n > PREFILL_CHUNK:  # the whole prompt checked before its first chunk writes the cache
+            self._sequence_ends(ids, slots, positions, np.empty(0, np.int32))
+        outs = []
+        for c in range(0, n, PREFILL_CHUNK):
+            m = min(PREFILL_CHUNK, n - c)
+            rows = np.arange(m, dtype=np.int32) if all_logits else np.array([m - 1] if c + m == n else [], np.int32)
+            outs.append(self.forward_batch(ids[c:c + m], slots[c:c + m], positions[c:c + m], rows))
+        if all_logits and len(outs) > 1:
+            return self.provider.from_host(np.concatenate([self.provider.to_host(o) for o in outs]))
+        return outs[-1]
 
     def forward_batch(self, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> Any:
         """One pass over a batch: token ids[i] of sequence slot slots[i] at position positions[i];
