@@ -156,6 +156,18 @@ def test_softmax_exp_is_within_two_ulp() -> None:
     assert np.all((got >= 0) & (got < 1e-37))
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 40, 256, 259])
+def test_softmax_maximum_is_the_rows_maximum(n: int) -> None:
+    # The softmax's shift: a wrong maximum would still give nearly the same weights (they shift out), so its own
+    # check. Negative rows (the lanes must start below any score), the maximum in every lane and in the tail.
+    rng = np.random.default_rng(n)
+    lanes = np.empty(16, np.float32)
+    for at in range(n):
+        x = -np.abs(rng.standard_normal(n)).astype(np.float32) - 1
+        x[at] = -0.5
+        assert attn._largest(x, lanes) == np.float32(-0.5)
+
+
 def test_silu_holds_at_any_magnitude(cpu_float: CpuProvider) -> None:
     # silu's exp(-g) is exp_shifted's: past its upper clamp (g < -88) the exponent bits would overflow.
     g = np.array([[-1e30, -200.0, -100.0, -88.5, -87.0, -20.0, -1e-6, 0.0, 1e-6, 20.0, 100.0, 1e30]], np.float32)
