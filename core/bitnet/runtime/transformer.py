@@ -117,14 +117,14 @@ class Transformer:
         slots, positions = np.full(n, slot, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
         if n > PREFILL_CHUNK:  # the whole prompt checked before its first chunk writes the cache
             self._sequence_ends(ids, slots, positions, np.empty(0, np.int32))
-        outs = []
+        parts = []
         for c in range(0, n, PREFILL_CHUNK):
             m = min(PREFILL_CHUNK, n - c)
             rows = np.arange(m, dtype=np.int32) if all_logits else np.array([m - 1] if c + m == n else [], np.int32)
-            outs.append(self.forward_batch(ids[c:c + m], slots[c:c + m], positions[c:c + m], rows))
-        if all_logits and len(outs) > 1:
-            return self.provider.from_host(np.concatenate([self.provider.to_host(o) for o in outs]))
-        return outs[-1]
+            out = self.forward_batch(ids[c:c + m], slots[c:c + m], positions[c:c + m], rows)
+            if all_logits and n > PREFILL_CHUNK:  # each chunk's logits copied out as it ends, its handle let go
+                parts.append(self.provider.to_host(out))
+        return self.provider.from_host(np.concatenate(parts)) if parts else out
 
     def forward_batch(self, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> Any:
         """One pass over a batch: token ids[i] of sequence slot slots[i] at position positions[i];
