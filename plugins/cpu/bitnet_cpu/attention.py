@@ -232,7 +232,7 @@ SPLIT_ROWS = 8
 
 @njit(parallel=True, fastmath=True, cache=True)
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
-              positions: np.ndarray, n_heads: int, out: np.ndarray) -> None:
+              positions: np.ndarray, n_heads: int, out: np.ndarray, n_threads: int) -> None:
     """Store row t's k, v [n, n_kv*hd] at positions[t] of slot slots[t] of the cache keys/values
     [n_seqs, n_kv, n_ctx, hd] (float32, or F16 bits as uint16); then causal grouped-query attention of
     q [n, n_heads*hd] over it.
@@ -252,7 +252,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     tasks = attention_tasks(positions, keys.shape[1])
     part_o, part_top, part_den = part_buffers(tasks, n_heads // keys.shape[1], keys.shape[3])
     for task in prange(len(tasks)):
-        attend(task, tasks, q, keys, values, slots, positions, n_heads, out, part_o, part_top, part_den)
+        attend(task, tasks, q, keys, values, slots, positions, n_heads, out, part_o, part_top, part_den, n_threads)
     combine(tasks, part_o, part_top, part_den, out)
 
 
@@ -323,7 +323,7 @@ def part_buffers(tasks: np.ndarray, group: int, hd: int) -> tuple[np.ndarray, np
 @njit(fastmath=True, cache=True)
 def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
            positions: np.ndarray, n_heads: int, out: np.ndarray, part_o: np.ndarray, part_top: np.ndarray,
-           part_den: np.ndarray) -> None:
+           part_den: np.ndarray, n_threads: int) -> None:
     """Task `task` of attention_tasks (see attention): a KV head and a row, with the query heads that share
     the head, over the whole row (written to `out`, its parts in turn) or one part of it (its sums left in
     part_o, part_top and part_den: see part_buffers). A function of its own, called, not inlined: its
@@ -338,11 +338,13 @@ def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values
     qg, qs = np.empty(group * hd, np.float32), q[t, kv * group * hd:(kv + 1) * group * hd]
     for i in range(group * hd):
         qg[i] = qs[i] * scale
-    # The next task's key and value rows (from its first: decoding sequences are about as long, and a row's
-    # parts are) are requested during this one's scores, so it starts from L2, not memory; unless it reads
-    # the same rows (a prompt's next token). A B=8 step at 48 positions on a Zen 5, one thread: attention
-    # 2.7-3.1 -> 2.3-2.5 ms; one sequence at 512 positions 2.6-2.8 -> 2.3-2.4 ms.
-    nxt = min(task + 1, len(tasks) - 1)
+    # The key and value rows of the task this thread likely runs next (n_threads on: the others claim those
+    # between; from its first row: decoding sequences are about as long, and a row's parts are) are requested
+    # during this one's scores, so it starts from L2, not memory; unless it reads the same rows (a prompt's next
+    # token). A B=8 step at 48 positions on a Zen 5, one thread: attention 2.7-3.1 -> 2.3-2.5 ms; one sequence at
+    # 512 positions 2.6-2.8 -> 2.3-2.4 ms. The task after this one, which another thread runs, had been requested
+    # whatever the threads: on 2 (Emerald Rapids) a decode step at 2048 positions took 42.2-42.7 ms, now 40.0-40.7.
+    nxt = min(task + n_threads, len(tasks) - 1)
     nks = keys[slots[tasks[nxt, 1]], tasks[nxt, 0]].ctypes.data + tasks[nxt, 2] * ks.strides[0]
     nvs = values[slots[tasks[nxt, 1]], tasks[nxt, 0]].ctypes.data + tasks[nxt, 2] * vs.strides[0]
     other = nks != ks.ctypes.data + p0 * ks.strides[0]

@@ -209,7 +209,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             if task >= len(att_tasks):
                 break
             attn.attend(task, att_tasks, q_roped, keys[layer], values[layer], slots, positions, n_heads, a, part_o,
-                        part_top, part_den)
+                        part_top, part_den, n_parts)
             ran += 1
         m[ph.ATTEND_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _HEADS_DONE, ran, len(att_tasks)):

@@ -401,7 +401,7 @@ class CpuProvider(ReferenceProvider):
         q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
         out = np.empty_like(q)
         keys, values = _head_major(cache.k[layer]), _head_major(cache.v[layer])
-        attn.attention(q, k, v, keys, values, slots, positions, n_heads, out)
+        attn.attention(q, k, v, keys, values, slots, positions, n_heads, out, self.n_threads)
         return out
 
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,
