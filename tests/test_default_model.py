@@ -20,6 +20,7 @@ import pytest
 import bitnet
 from bitnet.errors import UsageError
 from bitnet.modelfile import default_model
+from bitnet.tools import perplexity as perplexity_tool
 from bitnet.tools.perplexity import perplexity, text_perplexity
 from conftest import opencl_platforms, run_cli
 
@@ -61,6 +62,17 @@ def test_the_check_rejects_a_wrong_activation() -> None:
         t.config = dataclasses.replace(t.config, activation="silu")
         got = text_perplexity(engine, REPORT["excerpt"], REPORT["window"])
     assert abs(got.value / REPORT["excerpt_perplexity"]["row"] - 1) > TOLERANCE
+
+
+def test_perplexity_takes_a_windows_rows_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Slices of 7 rows (a window of 255 positions: 37 slices, the last of 3) give what one slice of the window gives.
+    with bitnet.load(device="cpu") as engine:
+        ids = engine.tokenizer.encode(REPORT["excerpt"], add_bos=False)
+        monkeypatch.setattr(perplexity_tool, "ROWS", 10**6)
+        whole = perplexity(engine, ids, REPORT["window"])
+        monkeypatch.setattr(perplexity_tool, "ROWS", 7)
+        sliced = perplexity(engine, ids, REPORT["window"])
+    assert sliced.tokens == whole.tokens and abs(sliced.value / whole.value - 1) < 1e-12
 
 
 def test_perplexity_input_errors() -> None:
