@@ -20,6 +20,19 @@ if TYPE_CHECKING:
     from bitnet.runtime.engine import Engine
 
 
+# Rows whose float64 log-softmax is taken at a time: a whole window of 2B-4T (4096 x 128256) had made three float64
+# copies of its logits, 12.6 GB beside the 2.1 GB of float32 ones.
+ROWS = 128
+
+
+def _nll(rows: np.ndarray, targets: Sequence[int]) -> float:
+    """The negative log-likelihood of targets[i] under logits rows[i], summed, in float64."""
+    x = rows.astype(np.float64)
+    top = x.max(axis=1)
+    lse = np.log(np.exp(x - top[:, None]).sum(axis=1)) + top
+    return float((lse - x[np.arange(len(targets)), targets]).sum())
+
+
 @dataclass(frozen=True)
 class Perplexity:
     value: float
@@ -54,19 +67,6 @@ def perplexity(engine: Engine, ids: Sequence[int], window: int | None = None) ->
             nll += _nll(logits[r:r + ROWS], targets[r:r + ROWS])
         count += len(targets)
     return Perplexity(math.exp(nll / count), count, window)
-
-
-# Rows whose float64 log-softmax is taken at a time: a whole window of 2B-4T (4096 x 128256) had made three float64
-# copies of its logits, 12.6 GB beside the 2.1 GB of float32 ones.
-ROWS = 128
-
-
-def _nll(rows: np.ndarray, targets: Sequence[int]) -> float:
-    """The negative log-likelihood of targets[i] under logits rows[i], summed, in float64."""
-    x = rows.astype(np.float64)
-    top = x.max(axis=1)
-    lse = np.log(np.exp(x - top[:, None]).sum(axis=1)) + top
-    return float((lse - x[np.arange(len(targets)), targets]).sum())
 
 
 def text_perplexity(engine: Engine, text: str, window: int | None = None) -> Perplexity:
