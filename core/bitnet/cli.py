@@ -170,9 +170,10 @@ _engine_options = _options(  # every command that loads a model
     click.option("--lm-head", type=click.Choice(["f16", "q8", "auto"]), default="auto", show_default=True,
                  help="LM head: the file's float table (f16), an int8 copy built at load (q8: half the bytes "
                       "per token, slightly less accurate), or auto (q8 if the file stores it quantized, else f16)."),
-    click.option("--kv-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
-                 help="What the KV cache stores: float32, or f16 (llama.cpp's default: half the memory, faster "
-                      "attention over long contexts; K and V rounded to F16)."))
+    click.option("--kv-type", type=click.Choice(["f32", "f16", "q8"]), default="f32", show_default=True,
+                 help="What the KV cache stores: float32, f16 (llama.cpp's default: half the memory, faster "
+                      "attention over long contexts; K and V rounded to F16) or q8 (a quarter of the memory: "
+                      "each row of K and V as int8 with a scale; CPU only)."))
 _context_options = _options(
     click.option("--n-ctx", "--ctx-size", "-c", "n_ctx", type=click.IntRange(min=1), default=None,
                  help="Context length (default: the model's, at most 4096)."),

@@ -399,6 +399,9 @@ class GpuProvider(KernelProvider):
     @op
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,
                  kv_type: str = "f32") -> KVCache:
+        if kv_type not in KV_DTYPES:  # q8's rows would need a kernel of their own, which the GPU sources do not have
+            raise UsageError(f"the {self.backend} backend keeps its KV cache in {' or '.join(KV_DTYPES)}: kv_type "
+                             f"{kv_type!r} runs on the CPU backends only")
         shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
         what = f"of {n_ctx} positions" + (f" x {n_seqs} sequences" if n_seqs > 1 else "")
         k, v = self._resident((shape, KV_DTYPES[kv_type], f"KV cache K {what}", None),

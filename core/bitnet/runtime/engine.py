@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.runtime.provider import ACT_QUANT_MODES, KV_DTYPES, LM_HEADS, check_kv_type
+from bitnet.runtime.provider import ACT_QUANT_MODES, LM_HEADS, check_kv_type, kv_row_bytes
 from bitnet.runtime.sampling import Sampler, check_logit_bias
 
 SAMPLING_OPTIONS = frozenset({"min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n",
@@ -73,8 +73,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
     n_seqs is how many sequences can run at once (generate_batch, Scheduler), each with n_ctx positions.
     lm_head is "f16" (the file's float LM-head table as it is), "q8" (an int8 copy built at load: half
     the bytes per token, a little accuracy) or "auto": q8 when the file stores the head quantized, else f16.
-    kv_type is what the KV cache stores: "f32", or "f16" (llama.cpp's default: half the memory, and faster
-    attention over long contexts, for a rounding of K and V to F16).
+    kv_type is what the KV cache stores: "f32", "f16" (llama.cpp's default: half the memory, and faster
+    attention over long contexts, for a rounding of K and V to F16) or "q8" (a quarter of the memory, each
+    row of K and V as int8 with a scale; the CPU backends only).
     """
     from bitnet.modelfile.model import load_model, map_pages
     from bitnet.plugins.selection import select
@@ -137,7 +138,7 @@ def choose_lm_head(lm_head: str, head_type: str) -> str:
 
 def kv_cache_bytes(config: ModelConfig, n_ctx: int, n_seqs: int = 1, kv_type: str = "f32") -> int:
     """Bytes of the K and V cache for n_seqs sequences of n_ctx positions."""
-    return 2 * KV_DTYPES[kv_type].itemsize * config.n_layers * n_ctx * config.n_kv_heads * config.head_dim * n_seqs
+    return 2 * kv_row_bytes(kv_type, config.head_dim) * config.n_layers * n_ctx * config.n_kv_heads * n_seqs
 
 
 def check_kv_fits(config: ModelConfig, n_ctx: int, memory_bytes: int | None, where: str, n_seqs: int = 1,

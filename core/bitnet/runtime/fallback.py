@@ -23,7 +23,7 @@ import numpy as np
 
 from bitnet.errors import NoBackendError, UsageError
 from bitnet.plugins.registry import env_flag
-from bitnet.runtime.provider import OPERATIONS, KernelProvider, native_operations
+from bitnet.runtime.provider import KV_DTYPES, OPERATIONS, KernelProvider, native_operations
 from bitnet.runtime.reference import ReferenceProvider
 
 # How many leading arguments of each operation are activation handles; the rest (weights,
@@ -72,7 +72,13 @@ def kv_cache_for(provider: KernelProvider, n_layers: int, n_ctx: int, n_kv_heads
     if "kv_type" not in inspect.signature(owner.kv_cache).parameters:  # written before kv_type existed
         raise UsageError(f"the {provider.backend} backend keeps its KV cache in f32 only: kv_type {kv_type!r} "
                          "is not available there")
-    return owner.kv_cache(n_layers, n_ctx, n_kv_heads, head_dim, n_seqs, kv_type=kv_type)
+    try:
+        return owner.kv_cache(n_layers, n_ctx, n_kv_heads, head_dim, n_seqs, kv_type=kv_type)
+    except KeyError as exc:
+        if kv_type in KV_DTYPES:
+            raise
+        # A provider that looks kv_type up in KV_DTYPES, written before q8 existed.
+        raise UsageError(f"the {provider.backend} backend does not offer kv_type {kv_type!r}") from exc
 
 
 def refuse_in_strict_mode(backend: str, ops: Sequence[str], reason: str) -> None:

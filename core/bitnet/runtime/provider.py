@@ -42,8 +42,11 @@ OPERATIONS = ("embed", "rmsnorm", "bitlinear", "rope", "attention", "act_mul", "
               "lm_head_q8", "argmax")
 # The LM head a model runs with (docs/design.md section 4): its float table, or an int8 copy ("auto" picks).
 LM_HEADS = ("f16", "q8", "auto")
-# What the KV cache stores (docs/design.md section 4): float32, or F16 as llama.cpp keeps it by default.
+# What the KV cache stores (docs/design.md section 4): float32, or F16 as llama.cpp keeps it by default; or "q8",
+# each (position, KV head) row as int8 with its own scale (Q8_ROW_BYTES past the head_dim values).
 KV_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
+KV_TYPES = (*KV_DTYPES, "q8")
+Q8_ROW_BYTES = 4  # a q8 row's float32 scale d (value ~ int8 * d), after its int8 values
 
 
 @dataclass
@@ -81,9 +84,23 @@ def kv_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(region, dtype).reshape(shape)
 
 
+def kv_array(shape: tuple[int, ...], kv_type: str) -> np.ndarray:
+    """A zeroed K or V cache (kv_zeros) of `shape`, whose last axis is head_dim. A q8 cache holds each row as
+    head_dim int8 values and then their float32 scale's Q8_ROW_BYTES bytes, as a GGUF block holds its scale with
+    its values: one array a cache, whatever its type."""
+    if kv_type == "q8":
+        return kv_zeros((*shape[:-1], shape[-1] + Q8_ROW_BYTES), np.dtype(np.int8))
+    return kv_zeros(shape, KV_DTYPES[kv_type])
+
+
 def check_kv_type(kv_type: str) -> None:
-    if kv_type not in KV_DTYPES:
-        raise UsageError(f"unknown KV cache type {kv_type!r}; expected one of {', '.join(KV_DTYPES)}")
+    if kv_type not in KV_TYPES:
+        raise UsageError(f"unknown KV cache type {kv_type!r}; expected one of {', '.join(KV_TYPES)}")
+
+
+def kv_row_bytes(kv_type: str, head_dim: int) -> int:
+    """Bytes of one (position, KV head) row of K or V in a kv_type cache."""
+    return head_dim + Q8_ROW_BYTES if kv_type == "q8" else KV_DTYPES[kv_type].itemsize * head_dim
 
 
 class KernelProvider(ABC):
@@ -136,12 +153,13 @@ class KernelProvider(ABC):
                  kv_type: str = "f32") -> Any:
         """Allocate the K and V cache of every layer for n_seqs sequence slots of n_ctx positions each
         (used only if this provider runs attention). kv_type "f16" stores K and V rounded to F16 (to
-        nearest even) and attention reads them back as they were stored; a provider that cannot says so
-        with a UsageError, and one whose kv_cache has no kv_type parameter is taken to offer only f32."""
+        nearest even), "q8" each row as int8 with a scale (`kv_array`), and attention reads them back as they
+        were stored; a provider that cannot says so with a UsageError, and one whose kv_cache has no kv_type
+        parameter is taken to offer only f32."""
         from bitnet.runtime.reference import KVCache
 
         shape = (n_layers, n_seqs, n_ctx, n_kv_heads, head_dim)
-        return KVCache(kv_zeros(shape, KV_DTYPES[kv_type]), kv_zeros(shape, KV_DTYPES[kv_type]))
+        return KVCache(kv_array(shape, kv_type), kv_array(shape, kv_type))
 
     def to_host(self, x: Any) -> np.ndarray:
         """Copy an activation back as float32 [n, width], after the work that writes it."""

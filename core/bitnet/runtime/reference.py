@@ -16,13 +16,13 @@ import numpy as np
 
 from bitnet.errors import UsageError
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
-from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, KernelProvider
+from bitnet.runtime.provider import ACT_QUANT_MODES, ACTIVATIONS, Q8_ROW_BYTES, KernelProvider
 
 
 @dataclass
 class KVCache:
     """K and V of every layer and sequence slot: [n_layers, n_seqs, n_ctx, n_kv_heads, head_dim] each, float32
-    or float16 (a kv_type "f16" cache: stores round to it)."""
+    or float16 (a kv_type "f16" cache: stores round to it); a "q8" cache's rows are `q8_kv_rows`, int8."""
 
     k: np.ndarray
     v: np.ndarray
@@ -182,8 +182,8 @@ class ReferenceProvider(KernelProvider):
         for i, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
             # Query head h reads KV head h // group (llama.cpp's broadcast order).
             qh = q64[i].reshape(n_kv_heads, group, head_dim)
-            keys = cache.k[layer, slot, :pos + 1].astype(np.float64)  # [T, n_kv, hd]
-            vals = cache.v[layer, slot, :pos + 1].astype(np.float64)
+            keys = kv_values(cache.k[layer, slot, :pos + 1])  # [T, n_kv, hd]
+            vals = kv_values(cache.v[layer, slot, :pos + 1])
             scores = np.einsum("kgd,tkd->kgt", qh, keys) / np.sqrt(head_dim)
             p = np.exp(scores - scores.max(axis=2, keepdims=True))
             p /= p.sum(axis=2, keepdims=True)
@@ -265,5 +265,27 @@ def store_kv(cache: KVCache, layer: int, slots: np.ndarray, positions: np.ndarra
     n = k.shape[0]
     slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
     check_slots(cache, slots, positions, n)
-    cache.k[layer, slots, positions] = np.asarray(k, dtype=np.float32).reshape(n, n_kv_heads, head_dim)
-    cache.v[layer, slots, positions] = np.asarray(v, dtype=np.float32).reshape(n, n_kv_heads, head_dim)
+    for dst, x in ((cache.k, k), (cache.v, v)):
+        rows = np.asarray(x, dtype=np.float32).reshape(n, n_kv_heads, head_dim)
+        dst[layer, slots, positions] = q8_kv_rows(rows) if dst.dtype == np.int8 else rows
+
+
+def q8_kv_rows(x: np.ndarray) -> np.ndarray:
+    """float32 rows [..., head_dim] as a q8 cache holds them, int8 [..., head_dim + Q8_ROW_BYTES]: each row's
+    values quantized as BitNet quantizes activations (`quantize_rows`: q = rint(x * s), s = 127 / max|x|), then
+    the bytes of its float32 scale d = 1 / s (x ~ q * d)."""
+    hd = x.shape[-1]
+    q, s = quantize_rows(x.reshape(-1, hd))
+    rows = np.empty((len(q), hd + Q8_ROW_BYTES), np.int8)
+    rows[:, :hd] = q
+    rows[:, hd:] = (np.float32(1.0) / s).astype(np.float32)[:, None].view(np.int8)
+    return rows.reshape(*x.shape[:-1], hd + Q8_ROW_BYTES)
+
+
+def kv_values(rows: np.ndarray) -> np.ndarray:
+    """What cache rows hold, float64 [..., head_dim]: a q8 row's int8 values times its scale."""
+    if rows.dtype != np.int8:
+        return rows.astype(np.float64)
+    hd = rows.shape[-1] - Q8_ROW_BYTES
+    d = np.ascontiguousarray(rows[..., hd:]).view(np.float32)  # [..., 1]
+    return rows[..., :hd].astype(np.float64) * d

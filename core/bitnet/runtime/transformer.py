@@ -43,7 +43,7 @@ class Transformer:
     def __init__(self, model: Model, provider: KernelProvider, n_ctx: int, act_quant: str, n_seqs: int = 1,
                  lm_head: str = "f16", kv_type: str = "f32") -> None:
         """lm_head "f16" runs the model's float LM-head table as it is, "q8" an int8 copy built here.
-        kv_type "f32" or "f16": what the KV cache stores."""
+        kv_type "f32", "f16" or "q8": what the KV cache stores."""
         if lm_head not in ("f16", "q8"):
             raise UsageError(f"unknown LM head {lm_head!r}; expected f16 or q8")
         check_kv_type(kv_type)

@@ -15,11 +15,12 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
+from bitnet.runtime.provider import Q8_ROW_BYTES
 from bitnet_cpu import isa
 from bitnet_cpu.dot_ir import _lane_sums
-from bitnet_cpu.float_kernels import _f32_vector, _scalar_tail, exp_shifted, prefetch_keep
+from bitnet_cpu.float_kernels import _SIZE, _f32_vector, _scalar_tail, as_f32, exp_shifted, prefetch_keep
 
 
 @intrinsic
@@ -52,11 +53,11 @@ def _in_head_chunks(b: ir.IRBuilder, n_heads: ir.Value, emit: Any) -> None:
 _SCORE_LANES = 16  # float32 lanes of a score accumulator (one zmm; two ymm on AVX2 hosts, the same sums)
 
 
-def emit_scores(b: ir.IRBuilder, args: list[ir.Value], half: bool, positions: int = 1) -> None:
+def emit_scores(b: ir.IRBuilder, args: list[ir.Value], elem: ir.Type, positions: int = 1) -> None:
     """The body of scores(k_addr, k_stride, hd, q_addr, q_stride, n_heads, out_addr, out_stride), all i64: the
-    scores of `positions` consecutive key rows (F16 with half, else float32; k_stride bytes apart) for n_heads
-    query rows (float32, q_stride apart), float32 out[h * out_stride + 4 * p] for position p, a chunk of heads
-    at a time.
+    scores of `positions` consecutive key rows (of elem: F16, float32, or int8 with the row's float32 scale
+    after its hd values, which multiplies its dots; k_stride bytes apart) for n_heads query rows (float32,
+    q_stride apart), float32 out[h * out_stride + 4 * p] for position p, a chunk of heads at a time.
 
     A (head, position) sums in one 16-lane accumulator over the row's whole 16-column steps, its lanes folded
     in a fixed tree (`_lane_sums`), then the columns past them one by one: the same bits whichever chunk or
@@ -67,16 +68,15 @@ def emit_scores(b: ir.IRBuilder, args: list[ir.Value], half: bool, positions: in
 
     def chunk(h0: ir.Value, heads: int) -> None:
         _scores_chunk(b, [k_i, k_stride, hd, b.add(q_i, b.mul(h0, q_stride)), q_stride,
-                          b.add(out_i, b.mul(h0, out_stride)), out_stride], heads, positions, half)
+                          b.add(out_i, b.mul(h0, out_stride)), out_stride], heads, positions, elem)
 
     _in_head_chunks(b, n_heads, chunk)
 
 
-def _scores_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, positions: int, half: bool) -> None:
+def _scores_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, positions: int, elem: ir.Type) -> None:
     """emit_scores for `heads` heads (args without n_heads)."""
     k_i, k_stride, hd, q_i, q_stride, out_i, out_stride = args
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-    elem = ir.HalfType() if half else f32
     n = _SCORE_LANES
     vf = ir.VectorType(f32, n)
     fma_v = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{n}f32")
@@ -88,8 +88,8 @@ def _scores_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, positions: 
         at = b.mul(loop.index, ir.Constant(i64, n))
         kv = []
         for k in ks:
-            v = b.load(b.bitcast(b.gep(k, [at]), ir.VectorType(elem, n).as_pointer()), align=2 if half else 4)
-            kv.append(b.fpext(v, vf) if half else v)
+            kv.append(as_f32(b, b.load(b.bitcast(b.gep(k, [at]), ir.VectorType(elem, n).as_pointer()),
+                                       align=_SIZE[str(elem)])))
         for h in range(heads):
             qv = b.load(b.bitcast(b.gep(qs[h], [at]), vf.as_pointer()), align=4)
             for p in range(positions):
@@ -99,23 +99,31 @@ def _scores_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, positions: 
     folded = _lane_sums(b, flat + [ir.Constant(vf, None)] * (width - len(flat)), n, add="fadd")
     sums = [[cgutils.alloca_once_value(b, b.extract_element(folded, ir.Constant(i32, p * heads + h)))
              for h in range(heads)] for p in range(positions)]
-    _scalar_tail(b, b.mul(steps, ir.Constant(i64, n)), hd, ks, qs, sums, half)
+    _scalar_tail(b, b.mul(steps, ir.Constant(i64, n)), hd, ks, qs, sums)
+    scales = [_row_scale(b, k, hd) if isinstance(elem, ir.IntType) else None for k in ks]
     for h in range(heads):
         row = b.inttoptr(b.add(out_i, b.mul(ir.Constant(i64, h), out_stride)), f32.as_pointer())
         for p in range(positions):
-            b.store(b.load(sums[p][h]), b.gep(row, [ir.Constant(i64, p)]))
+            score = b.load(sums[p][h])
+            b.store(score if scales[p] is None else b.fmul(score, scales[p]), b.gep(row, [ir.Constant(i64, p)]))
 
 
-def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None:
+def _row_scale(b: ir.IRBuilder, row: ir.Value, hd: ir.Value) -> ir.Value:
+    """The float32 scale after the hd int8 values of a q8 cache row (an i8 pointer: see provider.kv_array)."""
+    return b.load(b.bitcast(b.gep(row, [hd]), ir.FloatType().as_pointer()), align=1)
+
+
+def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], elem: ir.Type) -> None:
     """The body of wsum(v_addr, v_stride, n, n_cols, w_addr, w_stride, n_heads, o_addr, o_stride), all i64:
-    o_h[c] += the sum over p < n of w_h[p] * v_p[c], for every column c < n_cols of the value rows v_p (F16
-    with half, else float32; v_stride bytes apart) and n_heads weight rows w_h (float32, w_stride apart) into
-    float32 rows o_h (o_stride apart), a chunk of heads at a time."""
+    o_h[c] += the sum over p < n of w_h[p] * v_p[c], for every column c < n_cols of the value rows v_p (of
+    elem: F16, float32, or int8 whose row's scale, after its n_cols values, multiplies w_h[p] first; v_stride
+    bytes apart) and n_heads weight rows w_h (float32, w_stride apart) into float32 rows o_h (o_stride apart),
+    a chunk of heads at a time."""
     v_i, v_stride, n, n_cols, w_i, w_stride, n_heads, o_i, o_stride = args
 
     def chunk(h0: ir.Value, heads: int) -> None:
         _weighted_sum_chunk(b, [v_i, v_stride, n, n_cols, b.add(w_i, b.mul(h0, w_stride)), w_stride,
-                                b.add(o_i, b.mul(h0, o_stride)), o_stride], heads, half)
+                                b.add(o_i, b.mul(h0, o_stride)), o_stride], heads, elem)
 
     _in_head_chunks(b, n_heads, chunk)
 
@@ -129,7 +137,7 @@ def emit_weighted_sum(b: ir.IRBuilder, args: list[ir.Value], half: bool) -> None
 _VALUE_LANES = isa.float_lanes()
 
 
-def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half: bool) -> None:
+def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, elem: ir.Type) -> None:
     """emit_weighted_sum for `heads` heads (args without n_heads).
 
     Each o_h[c] takes its terms one FMA at a time in position order, so a sum over positions 0..n-1 is the
@@ -138,7 +146,6 @@ def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half:
     converted value vector serves every head, a weight every column vector."""
     v_i, v_stride, n, n_cols, w_i, w_stride, o_i, o_stride = args
     f32, i64 = ir.FloatType(), ir.IntType(64)
-    elem = ir.HalfType() if half else f32
     lanes = _VALUE_LANES
     vf = ir.VectorType(f32, lanes)
     fma_v = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fmuladd.v{lanes}f32")
@@ -148,6 +155,10 @@ def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half:
     col = cgutils.alloca_once_value(b, ir.Constant(i64, 0))
     zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
 
+    def weight(h: int, row: ir.Value, p: ir.Value) -> ir.Value:
+        w = b.load(b.gep(ws[h], [p]))
+        return b.fmul(w, _row_scale(b, row, n_cols)) if isinstance(elem, ir.IntType) else w
+
     def columns(chunks: int) -> None:
         """`chunks` vector columns from col on, over all n positions; col moves past them."""
         c0 = b.load(col)
@@ -156,9 +167,9 @@ def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half:
         accs = [[cgutils.alloca_once_value(b, b.load(ptr, align=4)) for ptr in row] for row in ptrs]
         with cgutils.for_range(b, n) as loop:
             row = b.inttoptr(b.add(v_i, b.mul(loop.index, v_stride)), elem.as_pointer())
-            vv = [_f32_vector(b, row, a, half, lanes) for a in at]
+            vv = [_f32_vector(b, row, a, lanes) for a in at]
             for h in range(heads):
-                w = b.load(b.gep(ws[h], [loop.index]))
+                w = weight(h, row, loop.index)
                 wv = b.shuffle_vector(b.insert_element(ir.Constant(vf, None), w, ir.Constant(ir.IntType(32), 0)),
                                       ir.Constant(vf, None), zeros)
                 for c in range(chunks):
@@ -182,19 +193,18 @@ def _weighted_sum_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, half:
             acc = cgutils.alloca_once_value(b, b.load(b.gep(os_[h], [c])))
             with cgutils.for_range(b, n) as loop:
                 row = b.inttoptr(b.add(v_i, b.mul(loop.index, v_stride)), elem.as_pointer())
-                x = b.load(b.gep(row, [c]))
-                x = b.fpext(x, f32) if half else x
-                b.store(b.call(fma_s, [b.load(b.gep(ws[h], [loop.index])), x, b.load(acc)]), acc)
+                x = as_f32(b, b.load(b.gep(row, [c])))
+                b.store(b.call(fma_s, [weight(h, row, loop.index), x, b.load(acc)]), acc)
             b.store(b.load(acc), b.gep(os_[h], [c]))
 
 
-def _make_scores(half: bool, positions: int) -> Any:
-    """The intrinsic scores(...) of emit_scores for F16 or float32 rows, `positions` key rows a call."""
+def _make_scores(elem: ir.Type, positions: int) -> Any:
+    """The intrinsic scores(...) of emit_scores for rows of elem, `positions` key rows a call."""
     @intrinsic
     def scores(typingctx: Any, k_addr: Any, k_stride: Any, hd: Any, q_addr: Any, q_stride: Any, n_heads: Any,
                out_addr: Any, out_stride: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_scores(builder, list(args), half, positions)
+            emit_scores(builder, list(args), elem, positions)
             return context.get_dummy_value()
 
         return types.void(*[types.intp] * 8), codegen
@@ -202,24 +212,24 @@ def _make_scores(half: bool, positions: int) -> Any:
     return scores
 
 
-def _make_attention_loops(half: bool) -> tuple[Any, Any, Any]:
-    """The intrinsics scores(...) of one and of two key rows, and wsum(...) of emit_weighted_sum, for F16 or
-    float32 rows."""
+def _make_attention_loops(elem: ir.Type) -> tuple[Any, Any, Any]:
+    """The intrinsics scores(...) of one and of two key rows, and wsum(...) of emit_weighted_sum, for F16,
+    float32 or int8 (q8) rows."""
 
     @intrinsic
     def wsum(typingctx: Any, v_addr: Any, v_stride: Any, n: Any, n_cols: Any, w_addr: Any, w_stride: Any,
              n_heads: Any, o_addr: Any, o_stride: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_weighted_sum(builder, list(args), half)
+            emit_weighted_sum(builder, list(args), elem)
             return context.get_dummy_value()
 
         return types.void(*[types.intp] * 9), codegen
 
-    return _make_scores(half, 1), _make_scores(half, 2), wsum
+    return _make_scores(elem, 1), _make_scores(elem, 2), wsum
 
 
-(_scores_half, _scores2_half, _wsum_half), (_scores_float, _scores2_float, _wsum_float) = (
-    _make_attention_loops(True), _make_attention_loops(False))
+((_scores_half, _scores2_half, _wsum_half), (_scores_float, _scores2_float, _wsum_float),
+ (_scores_q8, _scores2_q8, _wsum_q8)) = map(_make_attention_loops, (ir.HalfType(), ir.FloatType(), ir.IntType(8)))
 _KEYS_AHEAD = 8  # key rows requested ahead of the scores (see attend)
 _SUM_BLOCK = 64  # positions per pass over the values: their rows stay in L1/L2 across the column passes
 # Positions of a row per part at most: a longer row is split into equal parts, whose sums `_join` puts together.
@@ -234,7 +244,8 @@ SPLIT_ROWS = 8
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
               positions: np.ndarray, n_heads: int, out: np.ndarray, n_threads: int) -> None:
     """Store row t's k, v [n, n_kv*hd] at positions[t] of slot slots[t] of the cache keys/values
-    [n_seqs, n_kv, n_ctx, hd] (float32, or F16 bits as uint16); then causal grouped-query attention of
+    [n_seqs, n_kv, n_ctx, hd] (float32, F16 bits as uint16, or int8 q8 rows of hd + 4 bytes: see
+    bitnet.runtime.provider.kv_array); then causal grouped-query attention of
     q [n, n_heads*hd] over it.
 
     Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
@@ -250,7 +261,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     """
     store_kv(k, v, keys, values, slots, positions)
     tasks = attention_tasks(positions, keys.shape[1])
-    part_o, part_top, part_den = part_buffers(tasks, n_heads // keys.shape[1], keys.shape[3])
+    part_o, part_top, part_den = part_buffers(tasks, n_heads // keys.shape[1], head_dim(keys))
     for task in prange(len(tasks)):
         attend(task, tasks, q, keys, values, slots, positions, n_heads, out, part_o, part_top, part_den, n_threads)
     combine(tasks, part_o, part_top, part_den, out)
@@ -260,18 +271,60 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
 def store_kv(k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
              positions: np.ndarray) -> None:
     """Row t's k, v at positions[t] of slot slots[t] of the cache (see attention)."""
-    n_kv, hd = keys.shape[1], keys.shape[3]
-    like_k, like_v = keys[0, 0, 0, 0], values[0, 0, 0, 0]
+    n_kv = keys.shape[1]
+    hd = k.shape[1] // n_kv
     for t in range(k.shape[0]):
         for h in range(n_kv):
-            # Through 1-D views, one array a loop: these vectorize (the 4-D stores had converted one value at
-            # a time, 9 us for 8 tokens of F16 against 1).
-            kd, vd = keys[slots[t], h, positions[t]], values[slots[t], h, positions[t]]
-            ks, vs = k[t, h * hd:(h + 1) * hd], v[t, h * hd:(h + 1) * hd]
-            for d in range(hd):
-                kd[d] = _stored_as(ks[d], like_k)
-            for d in range(hd):
-                vd[d] = _stored_as(vs[d], like_v)
+            # Through 1-D views: the loops vectorize (the 4-D stores had converted one value at a time, 9 us for
+            # 8 tokens of F16 against 1).
+            _store_row(k[t, h * hd:(h + 1) * hd], keys[slots[t], h, positions[t]])
+            _store_row(v[t, h * hd:(h + 1) * hd], values[slots[t], h, positions[t]])
+
+
+def _store_row(src: np.ndarray, dst: np.ndarray) -> None:
+    """dst = float32 src as a cache of dst's type holds it (see `_store_row_typed`)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_store_row)
+def _store_row_typed(src: Any, dst: Any) -> Any:
+    """F16 bits or float32 (`_stored_as`), or a q8 row (`_store_q8`). The implementations are annotated as this
+    function is: numba compares the signatures."""
+    def quantized(src: Any, dst: Any) -> Any:
+        _store_q8(src, dst)
+
+    def store(src: Any, dst: Any) -> Any:
+        like = dst[0]
+        for d in range(len(src)):
+            dst[d] = _stored_as(src[d], like)
+
+    return quantized if dst.dtype == types.int8 else store
+
+
+# Quantizing a row: float32 arithmetic exactly as the reference's q8_kv_rows, so fastmath=False said outright (a
+# callee left unset inherits its caller's fastmath, which folds the rounding below away). Adding and subtracting
+# 1.5 * 2**23 rounds |x * s| <= 127 to an integer, half to even.
+_ROUND = np.float32(12582912.0)
+
+
+@njit(fastmath=False, cache=True)
+def _store_q8(src: np.ndarray, dst: np.ndarray) -> None:
+    """dst [hd + 4] = src [hd] as a q8 cache row: q = rint(src * s), s = 127 / max|src| (1 for a zero row), then
+    the bytes of d = 1 / s (bitnet.runtime.reference.q8_kv_rows)."""
+    hd = len(src)
+    amax = np.float32(0.0)
+    for d in range(hd):
+        amax = max(amax, abs(src[d]))
+    s = np.float32(127.0) / amax if amax > 0 else np.float32(1.0)
+    for d in range(hd):
+        dst[d] = np.int8((src[d] * s + _ROUND) - _ROUND)
+    dst[hd:].view(np.float32)[0] = np.float32(1.0) / s
+
+
+@njit(inline="always", cache=True)
+def head_dim(keys: np.ndarray) -> int:
+    """head_dim of a cache [..., n_ctx, row]: a q8 row holds its scale after its values."""
+    return keys.shape[-1] - Q8_ROW_BYTES if keys.itemsize == 1 else keys.shape[-1]
 
 
 @njit(inline="always", cache=True)
@@ -328,7 +381,7 @@ def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values
     the head, over the whole row (written to `out`, its parts in turn) or one part of it (its sums left in
     part_o, part_top and part_den: see part_buffers). A function of its own, called, not inlined: its
     fast-math flags stay its own in any caller."""
-    n_kv, hd = keys.shape[1], keys.shape[3]
+    n_kv, hd = keys.shape[1], head_dim(keys)
     group = n_heads // n_kv
     scale = np.float32(1.0 / np.sqrt(hd))
     kv, t, p0, p1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
@@ -404,7 +457,7 @@ def _attend_part(ks: np.ndarray, vs: np.ndarray, qg: np.ndarray, p0: int, p1: in
         # near to hide a miss: a B=8 step at 48 positions on a Zen 5, one thread: attention 3.0-3.5 ->
         # 2.4-2.9 ms; 16 on did as well).
         for r in range(p, p + 2):
-            for c in range(0, hd * vs.itemsize, 64):
+            for c in range(0, vstride, 64):
                 prefetch_keep(v0 + r * vstride + c)
                 prefetch_keep(k0 + (r + _KEYS_AHEAD) * kstride + c)
                 if other:
@@ -413,10 +466,14 @@ def _attend_part(ks: np.ndarray, vs: np.ndarray, qg: np.ndarray, p0: int, p1: in
         args = (k0 + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group, scores.ctypes.data + p * 4, sstride)
         if p + 1 == span and ks.itemsize == 2:
             _scores_half(*args)
+        elif p + 1 == span and ks.itemsize == 1:
+            _scores_q8(*args)
         elif p + 1 == span:
             _scores_float(*args)
         elif ks.itemsize == 2:
             _scores2_half(*args)
+        elif ks.itemsize == 1:
+            _scores2_q8(*args)
         else:
             _scores2_float(*args)
     for g in range(group):
@@ -433,6 +490,8 @@ def _attend_part(ks: np.ndarray, vs: np.ndarray, qg: np.ndarray, p0: int, p1: in
                 group, o.ctypes.data, hd * 4)
         if vs.itemsize == 2:
             _wsum_half(*args)
+        elif vs.itemsize == 1:
+            _wsum_q8(*args)
         else:
             _wsum_float(*args)
 

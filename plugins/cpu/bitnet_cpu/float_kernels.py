@@ -57,11 +57,23 @@ _STEP = 32  # columns per loop iteration: one 64-byte line of an F16 row, in lan
 _LANES = isa.float_lanes()
 
 
-def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, half: bool, lanes: int) -> ir.Value:
-    """`lanes` values of a row (F16 with half, converted) from index `at` on, as float32."""
-    elem, size = (ir.HalfType(), 2) if half else (ir.FloatType(), 4)
-    v = b.load(b.bitcast(b.gep(row, [at]), ir.VectorType(elem, lanes).as_pointer()), align=size)
-    return b.fpext(v, ir.VectorType(ir.FloatType(), lanes)) if half else v
+def as_f32(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """An F16, int8 or float32 value or vector as float32 (exact: each holds a float32's value)."""
+    elem = v.type.element if isinstance(v.type, ir.VectorType) else v.type
+    f32 = ir.VectorType(ir.FloatType(), v.type.count) if isinstance(v.type, ir.VectorType) else ir.FloatType()
+    if isinstance(elem, ir.HalfType):
+        return b.fpext(v, f32)
+    return b.sitofp(v, f32) if isinstance(elem, ir.IntType) else v
+
+
+def _f32_vector(b: ir.IRBuilder, row: ir.Value, at: ir.Value, lanes: int) -> ir.Value:
+    """`lanes` values of a row (a pointer to F16, int8 or float32) from index `at` on, as float32."""
+    elem = row.type.pointee
+    v = b.load(b.bitcast(b.gep(row, [at]), ir.VectorType(elem, lanes).as_pointer()), align=_SIZE[str(elem)])
+    return as_f32(b, v)
+
+
+_SIZE = {"half": 2, "float": 4, "i8": 1}  # bytes of an element type (an alignment the rows keep)
 
 
 def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, half: bool, lanes: int) -> None:
@@ -95,7 +107,7 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
             for _ in range(rows)]
 
     def lane_step(i: ir.Value, a: int) -> None:
-        wv = [_f32_vector(b, w, i, half, lanes) for w in ws]
+        wv = [_f32_vector(b, w, i, lanes) for w in ws]
         for t in range(tile):
             xv = b.load(b.bitcast(b.gep(xs[t], [i]), vf.as_pointer()), align=4)
             for r in range(rows):
@@ -122,7 +134,7 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
                           for k in (0, width)]
                 v = b.fadd(*halves)
             sums[r][t] = cgutils.alloca_once_value(b, b.extract_element(v, ir.Constant(i32, 0)))
-    _scalar_tail(b, done, n, ws, xs, sums, half)
+    _scalar_tail(b, done, n, ws, xs, sums)
     for t in range(tile):
         with b.if_then(b.icmp_signed("<", ir.Constant(i64, t), ntok)):
             out = b.inttoptr(b.add(out_i, b.mul(ir.Constant(i64, t), out_stride)), f32.as_pointer())
@@ -131,15 +143,15 @@ def emit_rows_dot(b: ir.IRBuilder, args: list[ir.Value], rows: int, tile: int, h
 
 
 def _scalar_tail(b: ir.IRBuilder, done: ir.Value, n: ir.Value, ws: list[ir.Value], xs: list[ir.Value],
-                 sums: list[list[ir.Value]], half: bool) -> None:
-    """sums[r][t] += w_r[i] * x_t[i] for the columns done <= i < n, one at a time, in order (w F16 with half)."""
+                 sums: list[list[ir.Value]]) -> None:
+    """sums[r][t] += w_r[i] * x_t[i] for the columns done <= i < n, one at a time, in order (w F16, int8 or
+    float32)."""
     f32 = ir.FloatType()
     fma_s = cgutils.get_or_insert_function(b.module, ir.FunctionType(f32, [f32] * 3), "llvm.fmuladd.f32")
     with cgutils.for_range(b, b.sub(n, done)) as tail:
         i = b.add(done, tail.index)
         for w, row in zip(ws, sums, strict=True):
-            wi = b.load(b.gep(w, [i]))
-            wi = b.fpext(wi, f32) if half else wi
+            wi = as_f32(b, b.load(b.gep(w, [i])))
             for x, s in zip(xs, row, strict=True):
                 b.store(b.call(fma_s, [wi, b.load(b.gep(x, [i])), b.load(s)]), s)
 

@@ -25,7 +25,7 @@ from bitnet.errors import UsageError
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime import q8_cache
-from bitnet.runtime.provider import ACTIVATIONS, KV_DTYPES, LayerWeights, kv_zeros
+from bitnet.runtime.provider import ACTIVATIONS, LayerWeights, kv_array
 from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots
 
 from . import attention as attn
@@ -408,7 +408,7 @@ class CpuProvider(ReferenceProvider):
                  kv_type: str = "f32") -> Any:
         """The reference's cache, each KV head's positions contiguous in memory: attention streams them."""
         shape = (n_layers, n_seqs, n_kv_heads, n_ctx, head_dim)
-        return KVCache(*(kv_zeros(shape, KV_DTYPES[kv_type]).transpose(0, 1, 3, 2, 4) for _ in "kv"))
+        return KVCache(*(kv_array(shape, kv_type).transpose(0, 1, 3, 2, 4) for _ in "kv"))
 
     def act_mul(self, gate: Any, up: Any, act: str) -> Any:
         if act not in ACTIVATIONS:
