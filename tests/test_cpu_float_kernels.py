@@ -97,16 +97,16 @@ def test_a_corrupt_q8_table_fails_the_check(cpu_float: CpuProvider) -> None:
             np.testing.assert_array_equal(cpu_float.lm_head_q8(x, broken), want)
 
 
-@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8"])
 def test_attention_prefill_then_decode(cpu_float: CpuProvider, kv_type: str) -> None:
     # Two sequences: slot 0 prefills and decodes alone, then slot 1 prefills in one batch beside
     # slot 0's next token; each reads only its own slot. Both caches hold the same bits (F16: rounded to
-    # nearest even alike), so the results differ only by the float sums' order.
+    # nearest even alike; q8: quantized alike), so the results differ only by the float sums' order.
     rng = np.random.default_rng(4)
     heads, kv_heads, hd = 8, 2, 64
     caches = (cpu_float.kv_cache(2, 40, kv_heads, hd, n_seqs=2, kv_type=kv_type),
               REF.kv_cache(2, 40, kv_heads, hd, n_seqs=2, kv_type=kv_type))
-    assert caches[0].k.dtype == caches[1].k.dtype == KV_DTYPES[kv_type]
+    assert caches[0].k.dtype == caches[1].k.dtype == KV_DTYPES.get(kv_type, np.int8)
     batches = [rows_at(0, 0, 7), rows_at(0, 7, 1), rows_at(0, 8, 1),
                tuple(np.concatenate(p) for p in zip(rows_at(0, 9, 1), rows_at(1, 0, 29), strict=True))]
     for slots, positions in batches:
@@ -121,7 +121,7 @@ def test_attention_prefill_then_decode(cpu_float: CpuProvider, kv_type: str) -> 
             np.testing.assert_array_equal(mine.view(np.uint8), theirs.view(np.uint8))
 
 
-@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8"])
 def test_attention_over_a_long_row_with_head_and_column_tails(cpu_float: CpuProvider, kv_type: str) -> None:
     # 7 query heads per KV head (chunks of 4, 2 and 1), 124 columns (each chunk's widest value pass, then
     # narrower ones, then 4 single columns; 7 score steps of 16, then 12 single columns) and 2 * CHUNK + 150

@@ -18,7 +18,7 @@ from bitnet.modelfile import formats
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, from_values, reverse_fields
 from bitnet.runtime import reference as ref_mod
 from bitnet.runtime.provider import KernelProvider, LayerWeights
-from bitnet.runtime.reference import q8_table
+from bitnet.runtime.reference import q8_kv_rows, q8_table
 from bitnet_cpu import dot_ir, isa
 from bitnet_cpu.dot_ir import GROUP, TILE, WIDE
 from bitnet_cpu.provider import CpuProvider, PackedTernary
@@ -223,7 +223,7 @@ def run_stack(cpu: CpuProvider, layers: list[LayerWeights], x: np.ndarray, cache
                act, mode)
 
 
-@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8"])
 @pytest.mark.parametrize("sub,act", [(True, "relu2"), (False, "silu")], ids=["sub_norm_relu2", "silu"])
 @pytest.mark.parametrize("layout", ["tq2_0", "i2_s"])
 def test_a_few_tokens_run_through_the_layers_in_one_region_as_their_operations_would(
@@ -254,7 +254,7 @@ def test_a_few_tokens_run_through_the_layers_in_one_region_as_their_operations_w
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8"])
 def test_a_long_sequences_attention_in_parts_runs_in_the_region_as_the_operation_would(
         cpu: CpuProvider, kv_type: str) -> None:
     # A sequence past 2 * CHUNK positions (its attention in three parts a head) beside a short one.
@@ -265,9 +265,9 @@ def test_a_long_sequences_attention_in_parts_runs_in_the_region_as_the_operation
     n_ctx = 2 * attn.CHUNK + 32
     caches = [cpu.kv_cache(2, n_ctx, 2, 128, 2, kv_type) for _ in "ab"]
     for name in "kv":
-        filled = rng.standard_normal(getattr(caches[0], name).shape)
+        filled = rng.standard_normal((*getattr(caches[0], name).shape[:-1], 128)).astype(np.float32)
         for c in caches:
-            getattr(c, name)[...] = filled if kv_type == "f32" else filled.astype(np.float16).view(np.uint16)
+            getattr(c, name)[...] = {"f32": filled, "f16": filled.astype(np.float16), "q8": q8_kv_rows(filled)}[kv_type]
     x = (rng.standard_normal((2, 512)) * 3).astype(np.float32)
     slots, positions = [0, 1], [n_ctx - 5, 7]
     got = run_stack(cpu, layers, x, caches[0], slots, positions, "relu2")

@@ -293,6 +293,12 @@ def test_attention_mixed_slots_and_positions(ocl, ref, kv_type):
         assert_close(got, want)
 
 
+def test_a_q8_kv_cache_is_refused_in_one_line(ocl):
+    # The GPU sources read float rows only; a q8 cache would be read as garbage, so it is refused before allocation.
+    with pytest.raises(UsageError, match="in f32 or f16: kv_type .q8. runs on the CPU backends only"):
+        ocl.kv_cache(1, 8, 2, 64, kv_type="q8")
+
+
 def test_attention_reading_the_wrong_slot_fails_the_mixed_test(device, ref):
     """The mixed test can fail: with every row reading slot 0's history (a store into the right slot left
     as it is), attention goes wrong wherever a row is not in slot 0."""

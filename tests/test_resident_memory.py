@@ -14,6 +14,7 @@ import bitnet
 from bitnet.modelfile import load_cache
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.writer import SyntheticSpec, write_model
+from bitnet.runtime.provider import kv_row_bytes
 
 MB = 1 << 20
 
@@ -90,14 +91,14 @@ def test_the_int8_head_keeps_no_float_table_resident(tmp_path: Path, monkeypatch
     assert len(list((tmp_path / "cache" / "q8-head").glob("*.bin"))) == 1
 
 
-@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8"])
 def test_a_kv_cache_is_resident_only_where_written(tmp_path: Path, kv_type: str) -> None:
     """NumPy asks for 2 MB pages on large arrays: the CPU cache keeps each KV head's 4096 positions (2 MB of
     float32 at head_dim 128) together, so the first token's writes made the whole cache resident (docs/design.md
     section 6b). Two tokens must leave it at a few 4 KB pages per layer and head."""
     spec = SyntheticSpec(arch="bitnet-b1.58", n_layers=2, dim=512, n_heads=4, n_kv_heads=4, ffn_dim=256,
                          vocab_size=512, n_ctx=4096)
-    cache_bytes = 2 * 4 * 4096 * 128 * (4 if kv_type == "f32" else 2)
+    cache_bytes = 2 * 4 * 4096 * kv_row_bytes(kv_type, 128)
     with bitnet.load(str(write_model(tmp_path / "m.gguf", spec)), device="cpu", kv_type=kv_type) as eng:
         assert eng.n_ctx == 4096
         "".join(eng.generate("Hello", max_tokens=2))

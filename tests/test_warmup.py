@@ -26,9 +26,10 @@ def test_after_warmup_a_first_run_compiles_nothing(tmp_path: Path) -> None:
     env = cli_env(NUMBA_CACHE_DIR=str(tmp_path / "warm"))
     r = run_cli("-d", "cpu", "warmup", env=env, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("warmup done in ") and "[12/12]" in r.stderr
+    assert r.stdout.startswith("warmup done in ") and "[18/18]" in r.stderr
     for args in ((), ("-m", model), ("-m", model, "--act-quant", "block256", "--lm-head", "q8"),
-                 ("-m", model, "--kv-type", "f16"), ("--kv-type", "f32")):
+                 ("-m", model, "--kv-type", "f16"), ("--kv-type", "f32"), ("-m", model, "--kv-type", "q8"),
+                 ("-m", model, "--act-quant", "block256", "--kv-type", "q8")):
         assert ANNOUNCEMENT not in _run(env, *args)
 
 

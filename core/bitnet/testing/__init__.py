@@ -30,7 +30,7 @@ from bitnet.plugins.registry import Registry
 from bitnet.plugins.selection import select
 from bitnet.plugins.types import Backend, Device, ProbeResult
 from bitnet.runtime.fallback import kv_cache_for, place_weight
-from bitnet.runtime.provider import OPERATIONS, KernelProvider, LayerWeights, native_operations
+from bitnet.runtime.provider import KV_TYPES, OPERATIONS, KernelProvider, LayerWeights, native_operations
 
 NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 
@@ -147,9 +147,9 @@ def check_provider(provider: KernelProvider, rtol: float = 1e-4, seed: int = 0) 
                     assert np.array_equal(provider.to_host(g), provider.to_host(alone)), \
                         f"bitlinear_group[{mode}]: projection {name} differs from its bitlinear"
     # Attention over three sequence slots: slot 1 prefills 5 positions, then a batch decodes slot 1 beside a
-    # 3-token prefill of slot 2 and a first token of slot 0, then a batch decodes all three. An F16 cache
-    # too, where the provider offers one (refusing it is allowed; a wrong result is not).
-    for kv_type in ("f32", "f16"):
+    # 3-token prefill of slot 2 and a first token of slot 0, then a batch decodes all three. An F16 and a q8 cache
+    # too, where the provider offers them (refusing one is allowed; a wrong result is not).
+    for kv_type in KV_TYPES:
         try:
             mine = kv_cache_for(provider, 2, 16, kv_heads, head_dim, 3, kv_type=kv_type)
         except UsageError:

@@ -25,12 +25,12 @@ _MODELS: tuple[tuple[str, SyntheticSpec | None], ...] = (
     ("tq2_0", SyntheticSpec(arch="bitnet", weight_type="tq2_0", n_layers=1)),
     ("q8_0 embedding", SyntheticSpec(arch="bitnet-b1.58", weight_type="i2_s", embd_type="q8_0", n_layers=1)),
 )
-CASES = tuple((model, act_quant, lm_head) for model, _ in _MODELS for act_quant in ("row", "block256")
-              for lm_head in ("f16", "q8"))
 # Attention is specialised on the KV cache's element type alone, and so is a few tokens' pass through the layers (the
 # CPU plugin runs it in one kernel for "row" quantization, the warmup's prompts included): each type once per model
-# for "row" and once for "block256" (attention alone) is enough.
-KV_TYPE = {("row", "f16"): "f32", ("row", "q8"): "f16", ("block256", "f16"): "f32", ("block256", "q8"): "f16"}
+# for "row" and once for "block256" (attention alone) is enough, beside each LM head.
+HEAD_KV = (("f16", "f32"), ("q8", "f16"), ("f16", "q8"))
+CASES = tuple((model, act_quant, lm_head, kv_type) for model, _ in _MODELS for act_quant in ("row", "block256")
+              for lm_head, kv_type in HEAD_KV)
 
 
 def _files(root: Path) -> Iterator[tuple[str, str]]:
@@ -47,9 +47,8 @@ def warmup(device: str | None, report: Callable[[str, str, str, str, float], Non
     with tempfile.TemporaryDirectory(prefix="bitnet-warmup-") as tmp:
         for name, path in _files(Path(tmp)):
             for act_quant in ("row", "block256"):
-                for lm_head in ("f16", "q8"):
+                for lm_head, kv_type in HEAD_KV:
                     t0 = time.perf_counter()
-                    kv_type = KV_TYPE[act_quant, lm_head]
                     with load(path, device=device, n_ctx=64, act_quant=act_quant, lm_head=lm_head,
                               kv_type=kv_type) as engine:
                         never_end = {t: -100.0 for t in engine.tokenizer.eog_ids}  # so that decode steps run
