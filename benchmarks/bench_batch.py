@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lm-head", choices=("f16", "q8", "auto"), default="auto", help="our LM head")
     # llama.cpp's cache is F16 unless asked otherwise, and this runs it with its defaults. At B=8 the cache
     # outgrows the L3 (f32: 59 MB a step at 48 positions on 2B-4T), and attention reads it from memory.
-    ap.add_argument("--kv-type", choices=("f32", "f16"), default="f16", help="our KV cache (llama.cpp's: F16)")
+    ap.add_argument("--kv-type", choices=("f32", "f16", "q8"), default="f16", help="our KV cache (llama.cpp's: F16)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-f16-head", action="store_true",
                     help="with --lm-head q8: our F16 head runs in each round too, so the int8 head's decode ratio "
                          "to it is measured in one run")
-    ap.add_argument("--kv-type", choices=("f16", "f32"), default="f16",
+    ap.add_argument("--kv-type", choices=("f16", "f32", "q8"), default="f16",
                     help="our KV cache; llama.cpp's and bitnet.cpp's default, F16, reads the same bytes as theirs")
     ap.add_argument("--bitnet-cpp", metavar="LLAMA_BENCH", help="bitnet.cpp's llama-bench binary")
     ap.add_argument("--bitnet-cpp-model", help="the file bitnet.cpp runs (I2_S, --arch bitnet)")
