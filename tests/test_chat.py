@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import bitnet
@@ -60,6 +61,41 @@ def test_the_next_turn_prefills_only_its_own_tokens(engine: Engine) -> None:
     engine.reset()
     assert "".join(engine.generate(ids, max_tokens=6, logit_bias=banned)) == second
     assert engine.stats.cached_tokens == 0
+
+
+def test_a_prompt_stopped_part_way_keeps_its_finished_chunks(tmp_path: Path) -> None:
+    # Ctrl-C in a long prompt (bitnet.repl: at once, while nothing has streamed) lands between two chunks or inside
+    # one; the chunks that finished stay in the cache and the next run reuses them, with the same result.
+    from bitnet.runtime.transformer import PREFILL_CHUNK
+
+    path = write_model(tmp_path / "m.gguf", SyntheticSpec(arch="bitnet-b1.58", n_ctx=512))
+    with bitnet.load(str(path), device="cpu") as engine:
+        _stop_in_the_third_chunk(engine, PREFILL_CHUNK)
+
+
+def _stop_in_the_third_chunk(engine: Engine, chunk: int) -> None:
+    ids = [int(t) for t in np.random.default_rng(3).integers(10, 200, 3 * chunk + 5)]
+    tr, batches = engine.transformer, []
+    run_batch = tr.forward_batch
+
+    def interrupted(*args: Any) -> Any:
+        batches.append(len(batches))
+        if len(batches) == 3:
+            raise KeyboardInterrupt
+        return run_batch(*args)
+
+    engine.reset()
+    tr.forward_batch = interrupted  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            "".join(engine.generate(ids, max_tokens=4))
+    finally:
+        del tr.forward_batch
+    assert engine._cached == ids[:2 * chunk]
+    again = "".join(engine.generate(ids, max_tokens=4))
+    assert engine.stats.cached_tokens == 2 * chunk
+    engine.reset()
+    assert "".join(engine.generate(ids, max_tokens=4)) == again
 
 
 def test_a_full_context_drops_the_oldest_exchanges_and_keeps_the_system_prompt(engine: Engine) -> None:
@@ -304,6 +340,19 @@ def test_ctrl_c_stops_the_reply_wherever_it_lands(error: BaseException) -> None:
 def test_a_system_error_of_another_cause_is_not_taken_for_ctrl_c() -> None:
     with pytest.raises(SystemError):
         _turn_of(_two_pieces_then(raised_in_c_call(ValueError("bug"))))
+
+
+def test_the_first_ctrl_c_stops_a_long_prompt_at_once() -> None:
+    """Before the first piece (the prompt still being read) one Ctrl-C stops the reply at once, not after a token."""
+    import signal
+
+    def stream() -> Iterator[str]:
+        signal.raise_signal(signal.SIGINT)
+        while True:
+            yield "more "
+
+    out, err = _turn_of(stream)
+    assert out == "\n" and "(reply stopped)" in err
 
 
 @pytest.mark.parametrize(("presses", "written"), [(1, "one more \n"), (2, "one \n")])

@@ -134,6 +134,7 @@ def _turn(conversation: Conversation, text: str, verbose: bool, out: TextIO, err
     try:
         with _StopOnCtrlC() as stop:
             for piece in pieces:
+                stop.streaming = True
                 out.write(piece)
                 out.flush()
                 if stop.pressed:
@@ -166,11 +167,13 @@ class _StopOnCtrlC:
     """While a reply streams, the first Ctrl-C only asks it to stop after the current token.
 
     A KeyboardInterrupt raised where the signal lands can land inside a C call (a numba dispatch), which CPython
-    then reports as a SystemError, and can leave a forward pass half done. A second Ctrl-C interrupts at once,
-    for a prefill that takes too long."""
+    then reports as a SystemError, and can leave a forward pass half done. A second Ctrl-C interrupts at once, and
+    so does the first while the prompt is still being read (nothing streamed yet: a long prompt can take a
+    minute); the engine keeps the prompt's finished chunks for the next turn."""
 
     def __init__(self) -> None:
         self.pressed = False
+        self.streaming = False
         self._previous: object = None
 
     def __enter__(self) -> _StopOnCtrlC:
@@ -183,6 +186,6 @@ class _StopOnCtrlC:
             signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.pressed:
+        if self.pressed or not self.streaming:
             raise KeyboardInterrupt
         self.pressed = True

@@ -296,9 +296,14 @@ class Engine:
                              f"of {self.n_ctx}")
 
     def _forward(self, ids: list[int], pos: int) -> Any:
-        """Logits of the last of `ids` run at positions pos..; the cache then holds _cached[:pos] + ids."""
+        """Logits of the last of `ids` run at positions pos..; the cache then holds _cached[:pos] + ids. A run
+        stopped part way (Ctrl-C in a long prompt) keeps the chunks it finished: the next run reuses them."""
         del self._cached[pos:]
-        logits = self.transformer.forward(np.asarray(ids, np.int32), pos, all_logits=False)
+        try:
+            logits = self.transformer.forward(np.asarray(ids, np.int32), pos, all_logits=False)
+        except BaseException:
+            self._cached.extend(ids[:max(self.transformer.n_past - pos, 0)])
+            raise
         self._cached.extend(ids)
         return logits
 
