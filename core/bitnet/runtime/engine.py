@@ -216,7 +216,7 @@ class Engine:
         self.stats = Stats(load_ms=self.load_ms, prompt_tokens=len(ids))
         t0 = time.perf_counter()
         self.reset()
-        out = self.provider.to_host(self.transformer.forward(ids, 0, all_logits=True))
+        out = self.transformer.host_logits(ids)
         self._cached = [int(i) for i in ids]
         self.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
         return out

@@ -107,6 +107,28 @@ class Transformer:
 
         A prompt longer than PREFILL_CHUNK runs a chunk at a time: the same bits, since rows are computed on
         their own, and its activations' peak stays that of one chunk."""
+        ids, slots, positions = self._rows(ids, pos0, slot)
+        n = len(ids)
+        if all_logits and n > PREFILL_CHUNK:
+            return self.provider.from_host(self._chunked_logits(ids, slots, positions))
+        if n > PREFILL_CHUNK:  # the whole prompt checked before its first chunk writes the cache
+            self._sequence_ends(ids, slots, positions, np.empty(0, np.int32))
+        for c in range(0, n, PREFILL_CHUNK):
+            m = min(PREFILL_CHUNK, n - c)
+            rows = np.arange(m, dtype=np.int32) if all_logits else np.array([m - 1] if c + m == n else [], np.int32)
+            out = self.forward_batch(ids[c:c + m], slots[c:c + m], positions[c:c + m], rows)
+        return out
+
+    def host_logits(self, ids: np.ndarray, pos0: int = 0, slot: int = 0) -> np.ndarray:
+        """float32 [n, vocab] on the host: the logits of every row of `ids` run at positions pos0.. (as forward
+        with all_logits, without a handle of them all to copy back)."""
+        ids, slots, positions = self._rows(ids, pos0, slot)
+        if len(ids) > PREFILL_CHUNK:
+            return self._chunked_logits(ids, slots, positions)
+        return self.provider.to_host(self.forward_batch(ids, slots, positions, np.arange(len(ids), dtype=np.int32)))
+
+    def _rows(self, ids: np.ndarray, pos0: int, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids, slots and positions of one sequence's tokens at pos0.., checked against the context."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         n = len(ids)
         if n == 0:
@@ -114,17 +136,22 @@ class Transformer:
         if pos0 + n > self.n_ctx:
             what = f"prompt of {n} tokens exceeds" if pos0 == 0 else f"{n} token(s) at position {pos0} exceed"
             raise UsageError(f"{what} the context of {self.n_ctx}")
-        slots, positions = np.full(n, slot, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
-        if n > PREFILL_CHUNK:  # the whole prompt checked before its first chunk writes the cache
-            self._sequence_ends(ids, slots, positions, np.empty(0, np.int32))
-        parts = []
-        for c in range(0, n, PREFILL_CHUNK):
-            m = min(PREFILL_CHUNK, n - c)
-            rows = np.arange(m, dtype=np.int32) if all_logits else np.array([m - 1] if c + m == n else [], np.int32)
-            out = self.forward_batch(ids[c:c + m], slots[c:c + m], positions[c:c + m], rows)
-            if all_logits and n > PREFILL_CHUNK:  # each chunk's logits copied out as it ends, its handle let go
-                parts.append(self.provider.to_host(out))
-        return self.provider.from_host(np.concatenate(parts)) if parts else out
+        return ids, np.full(n, slot, np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
+
+    def _chunked_logits(self, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Every row's logits, a chunk at a time, each chunk's copied into one host array as it ends: a
+        2048-position window of 2B-4T holds 1 GB of logits once, not as chunks, their join and a copy."""
+        self._sequence_ends(ids, slots, positions, np.empty(0, np.int32))  # all checked before a chunk writes
+        out = None
+        for c in range(0, len(ids), PREFILL_CHUNK):
+            m = min(PREFILL_CHUNK, len(ids) - c)
+            part = self.provider.to_host(self.forward_batch(ids[c:c + m], slots[c:c + m], positions[c:c + m],
+                                                            np.arange(m, dtype=np.int32)))
+            if out is None:
+                out = np.empty((len(ids), part.shape[1]), np.float32)
+            out[c:c + m] = part
+        assert out is not None
+        return out
 
     def forward_batch(self, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> Any:
         """One pass over a batch: token ids[i] of sequence slot slots[i] at position positions[i];
