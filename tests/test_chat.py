@@ -69,33 +69,29 @@ def test_a_prompt_stopped_part_way_keeps_its_finished_chunks(tmp_path: Path) -> 
     from bitnet.runtime.transformer import PREFILL_CHUNK
 
     path = write_model(tmp_path / "m.gguf", SyntheticSpec(arch="bitnet-b1.58", n_ctx=512))
+    ids = [int(t) for t in np.random.default_rng(3).integers(10, 200, 3 * PREFILL_CHUNK + 5)]
     with bitnet.load(str(path), device="cpu") as engine:
-        _stop_in_the_third_chunk(engine, PREFILL_CHUNK)
+        tr, batches = engine.transformer, []
+        run_batch = tr.forward_batch
 
+        def interrupted(*args: Any) -> Any:
+            batches.append(len(batches))
+            if len(batches) == 3:
+                raise KeyboardInterrupt
+            return run_batch(*args)
 
-def _stop_in_the_third_chunk(engine: Engine, chunk: int) -> None:
-    ids = [int(t) for t in np.random.default_rng(3).integers(10, 200, 3 * chunk + 5)]
-    tr, batches = engine.transformer, []
-    run_batch = tr.forward_batch
-
-    def interrupted(*args: Any) -> Any:
-        batches.append(len(batches))
-        if len(batches) == 3:
-            raise KeyboardInterrupt
-        return run_batch(*args)
-
-    engine.reset()
-    tr.forward_batch = interrupted  # type: ignore[method-assign]
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            "".join(engine.generate(ids, max_tokens=4))
-    finally:
-        del tr.forward_batch
-    assert engine._cached == ids[:2 * chunk]
-    again = "".join(engine.generate(ids, max_tokens=4))
-    assert engine.stats.cached_tokens == 2 * chunk
-    engine.reset()
-    assert "".join(engine.generate(ids, max_tokens=4)) == again
+        engine.reset()
+        tr.forward_batch = interrupted  # type: ignore[method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                "".join(engine.generate(ids, max_tokens=4))
+        finally:
+            del tr.forward_batch
+        assert engine._cached == ids[:2 * PREFILL_CHUNK]
+        again = "".join(engine.generate(ids, max_tokens=4))
+        assert engine.stats.cached_tokens == 2 * PREFILL_CHUNK
+        engine.reset()
+        assert "".join(engine.generate(ids, max_tokens=4)) == again
 
 
 def test_a_full_context_drops_the_oldest_exchanges_and_keeps_the_system_prompt(engine: Engine) -> None:

@@ -20,7 +20,7 @@ from numba.extending import intrinsic, overload
 from bitnet.runtime.provider import Q8_ROW_BYTES
 from bitnet_cpu import isa
 from bitnet_cpu.dot_ir import _lane_sums
-from bitnet_cpu.float_kernels import _SIZE, _f32_vector, _scalar_tail, as_f32, exp_shifted, prefetch_keep
+from bitnet_cpu.float_kernels import _f32_vector, _q8_row, _scalar_tail, as_f32, exp_shifted, prefetch_keep
 
 
 @intrinsic
@@ -88,8 +88,7 @@ def _scores_chunk(b: ir.IRBuilder, args: list[ir.Value], heads: int, positions: 
         at = b.mul(loop.index, ir.Constant(i64, n))
         kv = []
         for k in ks:
-            kv.append(as_f32(b, b.load(b.bitcast(b.gep(k, [at]), ir.VectorType(elem, n).as_pointer()),
-                                       align=_SIZE[str(elem)])))
+            kv.append(_f32_vector(b, k, at, n))
         for h in range(heads):
             qv = b.load(b.bitcast(b.gep(qs[h], [at]), vf.as_pointer()), align=4)
             for p in range(positions):
@@ -301,24 +300,14 @@ def _store_row_typed(src: Any, dst: Any) -> Any:
     return quantized if dst.dtype == types.int8 else store
 
 
-# Quantizing a row: float32 arithmetic exactly as the reference's q8_kv_rows, so fastmath=False said outright (a
-# callee left unset inherits its caller's fastmath, which folds the rounding below away). Adding and subtracting
-# 1.5 * 2**23 rounds |x * s| <= 127 to an integer, half to even.
-_ROUND = np.float32(12582912.0)
-
-
+# fastmath=False said outright: a callee left unset inherits its caller's fastmath, under which the quantizer's
+# float32 arithmetic would no longer be the reference's (it had folded a rounding away).
 @njit(fastmath=False, cache=True)
 def _store_q8(src: np.ndarray, dst: np.ndarray) -> None:
-    """dst [hd + 4] = src [hd] as a q8 cache row: q = rint(src * s), s = 127 / max|src| (1 for a zero row), then
-    the bytes of d = 1 / s (bitnet.runtime.reference.q8_kv_rows)."""
+    """dst [hd + 4] = src [hd] as a q8 cache row: the int8 head's row quantizer (`_q8_row`: q = rint(src * s),
+    s = 127 / max|src|), then the bytes of d = 1 / s (bitnet.runtime.reference.q8_kv_rows)."""
     hd = len(src)
-    amax = np.float32(0.0)
-    for d in range(hd):
-        amax = max(amax, abs(src[d]))
-    s = np.float32(127.0) / amax if amax > 0 else np.float32(1.0)
-    for d in range(hd):
-        dst[d] = np.int8((src[d] * s + _ROUND) - _ROUND)
-    dst[hd:].view(np.float32)[0] = np.float32(1.0) / s
+    dst[hd:].view(np.float32)[0] = np.float32(1.0) / _q8_row(src, dst[:hd])
 
 
 @njit(inline="always", cache=True)
