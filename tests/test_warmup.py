@@ -12,7 +12,8 @@ ANNOUNCEMENT = "bitnet-cpu: compiling CPU kernels for this machine"
 
 
 def _run(env: dict[str, str], *args: str) -> str:
-    r = run_cli("-d", "cpu", "run", "-p", "Hello", "-n", "3", *args, env=env)
+    # A prompt of more than 8 tokens: the CPU plugin runs fewer through its layer-stack kernel alone.
+    r = run_cli("-d", "cpu", "run", "-p", "O Romeo, Romeo, wherefore art thou Romeo?", "-n", "3", *args, env=env)
     assert r.returncode == 0, r.stderr
     return r.stderr
 
