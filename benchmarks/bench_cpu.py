@@ -30,7 +30,8 @@ in each engine (a float32 cache had made our 2-thread step 0.5 ms slower at 128-
 llama.cpp cannot read I2_S: give its TQ2_0 twin (same shapes) as --llama-model. Microsoft's bitnet.cpp
 (`--bitnet-cpp` its llama-bench, built by a tool outside this repository) joins the rotation with its
 own file (`--bitnet-cpp-model`: the same I2_S tensors written with `--arch bitnet`, the only
-architecture its llama.cpp fork knows); llama-bench reports decode and prefill, not load or RSS.
+architecture its llama.cpp fork knows): prefill from its llama-bench, decode after the prompt from the llama-cli
+beside it; no load time or RSS.
 Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0`.
 """
 
@@ -175,20 +176,39 @@ def worker_llama(model: str, threads: int, n_prompt: int, n_decode: int) -> dict
     return _finish(load_s, warm, n_prompt, prefill_s, n_decode, decode_s)
 
 
-def bitnet_cpp(bench: str, model: str, threads: int, n_prompt: int, n_decode: int, timeout: float) -> dict[str, Any]:
-    """One llama-bench run of bitnet.cpp: prefill and decode tokens/s (it measures no load time or RSS).
+def prompt_text(reader: Any, n: int) -> str:
+    """Text of about n tokens in the file's own vocabulary (llama-cli takes text, not ids): English repeated, cut at
+    n tokens by our tokenizer; llama-cli's own count of it is printed beside its decode rate."""
+    from bitnet.modelfile.model import _metadata
+    from bitnet.text.tokenizer import Tokenizer
 
-    Decode is measured after the prompt, as ours and llama.cpp's are: llama-bench's own decode test
-    starts from an empty cache (7 % faster at 1 thread than after 128 tokens, on the AMD EPYC), so it
-    runs the prompt alone and the prompt followed by the decode, and decode is what the second adds.
-    """
+    tok = Tokenizer.from_metadata(_metadata(reader))
+    ids = tok.encode("The quick brown fox jumps over the lazy dog, and then it sleeps. " * (n // 8 + 1))
+    return tok.decode(ids[:n])
+
+
+def bitnet_cpp(bench: str, model: str, threads: int, n_prompt: int, n_decode: int, prompt: Path,
+               timeout: float) -> dict[str, Any]:
+    """One run of bitnet.cpp: prefill from `llama-bench -p`, decode after the prompt from `llama-cli` beside it (their
+    perf line for the tokens after the first). No load time or RSS.
+
+    llama-bench's own decode test starts from an empty cache (7 % faster at 1 thread than after 128 tokens, on the AMD
+    EPYC), and its prompt-then-decode test minus its prompt test is noise once the prompt takes much longer than the
+    decode: after 2048 tokens on the Zen 5 EPYC that difference gave 8.7, 44.6 and -570 tokens/s."""
+    import re
     import subprocess
 
-    out = subprocess.run([bench, "-m", model, "-p", str(n_prompt), "-n", "0", "-pg", f"{n_prompt},{n_decode}",
-                          "-t", str(threads), "-r", "1", "-o", "json"],
-                         capture_output=True, text=True, timeout=timeout, check=True)
-    seconds = {bool(r["n_gen"]): (r["n_prompt"] + r["n_gen"]) / float(r["avg_ts"]) for r in json.loads(out.stdout)}
-    return {"prefill_tps": n_prompt / seconds[False], "decode_tps": n_decode / (seconds[True] - seconds[False]),
+    out = subprocess.run([bench, "-m", model, "-p", str(n_prompt), "-n", "0", "-t", str(threads), "-r", "1",
+                          "-o", "json"], capture_output=True, text=True, timeout=timeout, check=True)
+    prefill = float(json.loads(out.stdout)[0]["avg_ts"])
+    cli = subprocess.run([str(Path(bench).with_name("llama-cli")), "-m", model, "-f", str(prompt), "-n",
+                          str(n_decode + 1), "--ignore-eos", "--temp", "0", "-t", str(threads)],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=True)
+    read = re.search(r"prompt eval time =.*/\s*(\d+) tokens", cli.stderr)
+    runs = re.search(r"context_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", cli.stderr)
+    if read is None or runs is None:
+        raise RuntimeError(f"llama-cli printed no timings: {cli.stderr[-300:]}")
+    return {"prefill_tps": prefill, "decode_tps": int(runs[2]) / float(runs[1]) * 1e3, "cli_prompt": int(read[1]),
             "load_s": float("nan"), "ready_s": float("nan"), "rss_mb": float("nan")}
 
 
@@ -404,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     others = [k for k in engines if k not in ("ours", "ours_f16")]
     if args.busy:
         print(f"{args.busy} busy co-tenant process(es) spin beside every run", file=log, flush=True)
-    with workers.busy(args.busy):
+    with workers.busy(args.busy), tempfile.TemporaryDirectory() as tmp:
+        prompt = Path(tmp) / "prompt.txt"
+        if args.bitnet_cpp:
+            prompt.write_text(prompt_text(reader, args.prompt_tokens))
         for run in range(args.runs):
             for t in threads:
                 bandwidth[t] = max(bandwidth[t], spawn("bandwidth", args, args.model, t)["gbps"])
@@ -413,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in engines[run % len(engines):] + engines[:run % len(engines)]:  # each goes first in turn
                     if kind == "bitnet.cpp":
                         r = bitnet_cpp(args.bitnet_cpp, args.bitnet_cpp_model or args.model, t, args.prompt_tokens,
-                                       args.decode_tokens, args.timeout)
+                                       args.decode_tokens, prompt, args.timeout)
                     elif kind == "ours_f16":
                         r = spawn("ours", args, args.model, t, lm_head="f16")
                     else:
@@ -422,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  run {run + 1} {names[kind]:<10} t={t}: load {r['load_s']:.2f} s "
                           f"(ready {r['ready_s']:.2f} s), "
                           f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps']:.2f} tok/s, "
-                          f"RSS {r['rss_mb']:.0f} MB", file=log, flush=True)
+                          f"RSS {r['rss_mb']:.0f} MB" + (f"; llama-cli read {r['cli_prompt']} prompt tokens"
+                                                          if "cli_prompt" in r else ""), file=log, flush=True)
 
     def med(kind: str, t: int, key: str) -> float:
         return statistics.median(r[key] for r in results[(kind, t)])
