@@ -357,6 +357,22 @@ def test_levels_agree_bit_for_bit(mode: str, layout: str) -> None:
             np.testing.assert_array_equal(got, outs["generic"], err_msg=f"{level} differs from generic")
 
 
+@pytest.mark.skipif("avx512vnni" not in LEVELS, reason="this CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_one_tokens_pass_of_either_row_count_gives_the_generic_bits(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One token's pass takes four rows on Intel's AVX-512 VNNI and one elsewhere (dot_ir.ONE_TOKEN_ROWS): the pass this
+    # host does not take is built here uncached, so both are checked on either vendor. 130 rows: a tail of two.
+    monkeypatch.setattr(dot_ir, "ONE_TOKEN_ROWS", {"avx512vnni": rows})
+    built = CpuProvider(n_threads=1, isa="avx512vnni")
+    built._tk = isa.build("avx512vnni", cache=False)
+    rng = np.random.default_rng(14)
+    w = ternary(rng, 130, 1280, block_scales=False)  # a scale per row: the pass with ONE_TOKEN_ROWS
+    x = (rng.standard_normal((1, 1280)) * 3).astype(np.float32)
+    generic = provider(1, "generic")
+    want = generic.bitlinear(x, generic.upload_ternary(w), "row")
+    np.testing.assert_array_equal(built.bitlinear(x, built.upload_ternary(w), "row"), want)
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_dot_product_that_drops_a_field_fails(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The checks above can fail: the same kernels built from IR that ignores the fourth 2-bit field

@@ -208,8 +208,8 @@ def _make_sums(per_block: bool, wide: bool) -> Callable[..., None]:
     pairs = _PAIRS and not per_block
     tile2 = _make_rows_dot(TILE, 2) if pairs else tile
     big2 = _make_rows_dot(WIDE, 2) if pairs and wide else tile2
-    # One token on AVX-512: four rows a pass, 16 accumulator chains, the pass's epilogue shared by four rows. On an
-    # Emerald Rapids Xeon, rows in L2 went 1.5x faster, and a decode step's projections 1.6-2.5 % (alternating runs).
+    # One token on Intel's AVX-512 VNNI: four rows a pass, 16 accumulator chains, the pass's epilogue shared by four
+    # rows (ONE_TOKEN_ROWS, where the figures for and against are).
     rows1 = 1 if per_block else ONE_TOKEN_ROWS.get(ISA, 1)
     one_rows = _make_rows_dot(1, rows1) if rows1 > 1 else one
 
