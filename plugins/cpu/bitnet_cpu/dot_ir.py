@@ -44,8 +44,7 @@ from numba.core import cgutils
 
 
 def stream_locality(cpuinfo: str = "/proc/cpuinfo") -> int:
-    """The `llvm.prefetch` locality for bytes read once: 1 (`prefetcht2`) on Intel, else 0 (`prefetchnta`). It also
-    says whether one token's pass takes four rows (ONE_TOKEN_ROWS)."""
+    """The `llvm.prefetch` locality for bytes read once: 1 (`prefetcht2`) on Intel, else 0 (`prefetchnta`)."""
     try:
         with open(cpuinfo) as f:
             return int(any(ln.startswith("vendor_id") and ln.split(":", 1)[1].strip() == "GenuineIntel" for ln in f))
@@ -64,10 +63,7 @@ TILE = 4  # tokens per pass over a weight row in prefill: TILE accumulators plus
 # once for twice as many tokens. On 2560-column rows (AVX2, 8-128 tokens) 4-7 % faster for gate/up and 1-6 % for
 # the others. Wider rows go in column parts (see int_kernels.matmul_rowscale).
 WIDE = 8
-# Rows one token's pass takes. Four on Intel's AVX-512 VNNI (16 accumulators in 32 zmm; 16 ymm would spill them): on
-# an Emerald Rapids Xeon rows in L2 went 1.5x faster and a decode step's projections 1.6-2.5 %. One elsewhere: on a
-# Zen 5 EPYC the four-row pass made a 2B-4T decode step 7-8 % slower on one thread and 8-11 % on two.
-ONE_TOKEN_ROWS = {"avx512vnni": 4} if STREAM_LOCALITY else {}
+ONE_TOKEN_ROWS = {"avx512vnni": 4} if STREAM_LOCALITY else {}  # rows of one token's pass (Intel's: see int_kernels)
 
 LEVELS = ("avx512vnni", "avxvnni", "avx2", "generic")  # best first
 _VNNI = ("avx512vnni", "avxvnni")
