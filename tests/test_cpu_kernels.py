@@ -276,6 +276,23 @@ def test_a_long_sequences_attention_in_parts_runs_in_the_region_as_the_operation
     np.testing.assert_array_equal(got, want)
 
 
+def test_every_cache_type_reaches_the_kernels_as_one_array_type() -> None:
+    # The region and the operations' attention take a cache as its bytes and its elements' width, so one compile
+    # serves every cache type (the region had compiled for ~40 s of the warmup per type). Their results on each
+    # type are the tests above.
+    from numba import typeof
+
+    from bitnet_cpu import attention as attn
+
+    cpu, seen = provider(1, LEVELS[0]), {}
+    for kv_type, width in (("f32", 4), ("f16", 2), ("q8", 1)):
+        cache = cpu.kv_cache(2, 16, 2, 128, 1, kv_type)
+        (stack, w), (layer, _) = attn.cache_bytes(cache.k), attn.cache_bytes(cache.v[1])
+        assert w == width and stack.flags.c_contiguous
+        seen[kv_type] = typeof(stack), typeof(layer)
+    assert seen["f32"] == seen["f16"] == seen["q8"]
+
+
 def test_layers_the_region_cannot_run_run_as_their_operations() -> None:
     cpu, rng = provider(2, LEVELS[0]), np.random.default_rng(19)
     per_block = layer_stack(cpu, rng, 2, "tq2_0", True, block_scales=True)

@@ -25,9 +25,10 @@ _MODELS: tuple[tuple[str, SyntheticSpec | None], ...] = (
     ("tq2_0", SyntheticSpec(arch="bitnet", weight_type="tq2_0", n_layers=1)),
     ("q8_0 embedding", SyntheticSpec(arch="bitnet-b1.58", weight_type="i2_s", embd_type="q8_0", n_layers=1)),
 )
-# Attention is specialised on the KV cache's element type alone, and so is a few tokens' pass through the layers (the
-# CPU plugin runs it in one kernel for "row" quantization, the warmup's prompts included): each type once per model
-# for "row" and once for "block256" (attention alone) is enough, beside each LM head.
+# Attention depends on the KV cache's element type alone, and so does a few tokens' pass through the layers (the CPU
+# plugin runs it in one kernel for "row" quantization, the warmup's prompts included): each type once per model for
+# "row" and once for "block256" (attention alone) is enough, beside each LM head. (The CPU plugin compiles one kernel
+# for every type: a cache reaches it as bytes. A GPU backend builds a program per type.)
 HEAD_KV = (("f16", "f32"), ("q8", "f16"), ("f16", "q8"))
 # Longer than a few tokens (13-16 in these vocabularies): the CPU plugin runs up to 8 tokens through one
 # layer-stack kernel and a longer prompt through its per-operation kernels, and a first run must find both.

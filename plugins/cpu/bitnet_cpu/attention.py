@@ -15,7 +15,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from bitnet.runtime.provider import Q8_ROW_BYTES
 from bitnet_cpu import isa
@@ -24,17 +24,12 @@ from bitnet_cpu.float_kernels import _f32_vector, _q8_row, _scalar_tail, as_f32,
 
 
 @intrinsic
-def _stored_as(typingctx: Any, x: Any, like: Any) -> Any:
-    """float32 x as a value of like's type: F16 bits rounded to nearest even (as NumPy's astype), or float32."""
-    if like == types.uint16:
-        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    elif like == types.float32:
-        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            return args[0]
-    else:
-        return None
-    return like(types.float32, like), codegen
+def _f16_bits(typingctx: Any, x: Any) -> Any:
+    """float32 x as F16 bits, rounded to nearest even (as NumPy's astype)."""
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
 
 
 def _in_head_chunks(b: ir.IRBuilder, n_heads: ir.Value, emit: Any) -> None:
@@ -240,12 +235,11 @@ SPLIT_ROWS = 8
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
-              positions: np.ndarray, n_heads: int, out: np.ndarray, n_threads: int) -> None:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, width: int,
+              slots: np.ndarray, positions: np.ndarray, n_heads: int, out: np.ndarray, n_threads: int) -> None:
     """Store row t's k, v [n, n_kv*hd] at positions[t] of slot slots[t] of the cache keys/values
-    [n_seqs, n_kv, n_ctx, hd] (float32, F16 bits as uint16, or int8 q8 rows of hd + 4 bytes: see
-    bitnet.runtime.provider.kv_array); then causal grouped-query attention of
-    q [n, n_heads*hd] over it.
+    [n_seqs, n_kv, n_ctx, row bytes] (see `cache_bytes`: float32, F16 or q8 rows of hd + 4 bytes, as `width`
+    says); then causal grouped-query attention of q [n, n_heads*hd] over it.
 
     Row t reads positions 0..positions[t] of sequence slot slots[t]; query head h reads KV head
     h // (n_heads // n_kv). float32 throughout, the softmax denominator in float64. A task is a
@@ -258,16 +252,17 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     and are joined in one order whichever task ran them, so its result never depends on the rows beside it
     or on the threads.
     """
-    store_kv(k, v, keys, values, slots, positions)
+    store_kv(k, v, keys, values, width, slots, positions)
     tasks = attention_tasks(positions, keys.shape[1])
-    part_o, part_top, part_den = part_buffers(tasks, n_heads // keys.shape[1], head_dim(keys))
+    part_o, part_top, part_den = part_buffers(tasks, n_heads // keys.shape[1], head_dim(keys, width))
     for task in prange(len(tasks)):
-        attend(task, tasks, q, keys, values, slots, positions, n_heads, out, part_o, part_top, part_den, n_threads)
+        attend(task, tasks, q, keys, values, width, slots, positions, n_heads, out, part_o, part_top, part_den,
+               n_threads)
     combine(tasks, part_o, part_top, part_den, out)
 
 
 @njit(inline="always", cache=True)
-def store_kv(k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
+def store_kv(k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray, width: int, slots: np.ndarray,
              positions: np.ndarray) -> None:
     """Row t's k, v at positions[t] of slot slots[t] of the cache (see attention)."""
     n_kv = keys.shape[1]
@@ -276,28 +271,25 @@ def store_kv(k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray,
         for h in range(n_kv):
             # Through 1-D views: the loops vectorize (the 4-D stores had converted one value at a time, 9 us for
             # 8 tokens of F16 against 1).
-            _store_row(k[t, h * hd:(h + 1) * hd], keys[slots[t], h, positions[t]])
-            _store_row(v[t, h * hd:(h + 1) * hd], values[slots[t], h, positions[t]])
+            _store_row(k[t, h * hd:(h + 1) * hd], keys[slots[t], h, positions[t]], width)
+            _store_row(v[t, h * hd:(h + 1) * hd], values[slots[t], h, positions[t]], width)
 
 
-def _store_row(src: np.ndarray, dst: np.ndarray) -> None:
-    """dst = float32 src as a cache of dst's type holds it (see `_store_row_typed`)."""
-    raise NotImplementedError("numba only")
-
-
-@overload(_store_row)
-def _store_row_typed(src: Any, dst: Any) -> Any:
-    """F16 bits or float32 (`_stored_as`), or a q8 row (`_store_q8`). The implementations are annotated as this
-    function is: numba compares the signatures."""
-    def quantized(src: Any, dst: Any) -> Any:
-        _store_q8(src, dst)
-
-    def store(src: Any, dst: Any) -> Any:
-        like = dst[0]
+@njit(inline="always", cache=True)
+def _store_row(src: np.ndarray, dst: np.ndarray, width: int) -> None:
+    """dst (a cache row's bytes) = float32 src as the cache holds it: float32 (width 4), F16 bits rounded to
+    nearest even as NumPy's astype (2), or a q8 row (1, `_store_q8`). Plain loops: inlined into a parallel
+    function, an array expression would be a parallel loop of its own."""
+    if width == 1:
+        _store_q8(src, dst.view(np.int8))
+    elif width == 2:
+        bits = dst.view(np.uint16)
         for d in range(len(src)):
-            dst[d] = _stored_as(src[d], like)
-
-    return quantized if dst.dtype == types.int8 else store
+            bits[d] = _f16_bits(src[d])
+    else:
+        floats = dst.view(np.float32)
+        for d in range(len(src)):
+            floats[d] = src[d]
 
 
 # fastmath=False said outright: a callee left unset inherits its caller's fastmath, under which the quantizer's
@@ -310,10 +302,21 @@ def _store_q8(src: np.ndarray, dst: np.ndarray) -> None:
     dst[hd:].view(np.float32)[0] = np.float32(1.0) / _q8_row(src, dst[:hd])
 
 
+def cache_bytes(kv: np.ndarray) -> tuple[np.ndarray, int]:
+    """A cache [..., n_ctx, n_kv_heads, head_dim] (a layer, or all) as these kernels take it: in its memory's order,
+    [..., n_kv_heads, n_ctx, row] (C-contiguous for the plugin's own cache, so the loops run along head_dim), as
+    bytes; and the bytes of one element (4 float32, 2 F16, 1 q8). One array type for every cache type: each kernel
+    that reads a cache compiles once, not once per type (the layer region had taken ~40 s of the warmup per type
+    on a Zen 5)."""
+    kv = np.swapaxes(kv, -3, -2)
+    return kv.view(np.uint8), kv.itemsize
+
+
 @njit(inline="always", cache=True)
-def head_dim(keys: np.ndarray) -> int:
-    """head_dim of a cache [..., n_ctx, row]: a q8 row holds its scale after its values."""
-    return keys.shape[-1] - Q8_ROW_BYTES if keys.itemsize == 1 else keys.shape[-1]
+def head_dim(keys: np.ndarray, width: int) -> int:
+    """head_dim of a cache's bytes [..., n_ctx, row bytes] (see `cache_bytes`): a q8 row holds its scale after its
+    values."""
+    return keys.shape[-1] - Q8_ROW_BYTES if width == 1 else keys.shape[-1] // width
 
 
 @njit(inline="always", cache=True)
@@ -363,14 +366,14 @@ def part_buffers(tasks: np.ndarray, group: int, hd: int) -> tuple[np.ndarray, np
 
 
 @njit(fastmath=True, cache=True)
-def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values: np.ndarray, slots: np.ndarray,
-           positions: np.ndarray, n_heads: int, out: np.ndarray, part_o: np.ndarray, part_top: np.ndarray,
-           part_den: np.ndarray, n_threads: int) -> None:
+def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values: np.ndarray, width: int,
+           slots: np.ndarray, positions: np.ndarray, n_heads: int, out: np.ndarray, part_o: np.ndarray,
+           part_top: np.ndarray, part_den: np.ndarray, n_threads: int) -> None:
     """Task `task` of attention_tasks (see attention): a KV head and a row, with the query heads that share
     the head, over the whole row (written to `out`, its parts in turn) or one part of it (its sums left in
     part_o, part_top and part_den: see part_buffers). A function of its own, called, not inlined: its
     fast-math flags stay its own in any caller."""
-    n_kv, hd = keys.shape[1], head_dim(keys)
+    n_kv, hd = keys.shape[1], head_dim(keys, width)
     group = n_heads // n_kv
     scale = np.float32(1.0 / np.sqrt(hd))
     kv, t, p0, p1 = tasks[task, 0], tasks[task, 1], tasks[task, 2], tasks[task, 3]
@@ -396,8 +399,8 @@ def attend(task: int, tasks: np.ndarray, q: np.ndarray, keys: np.ndarray, values
     scores, bits, lanes = np.empty((group, most), np.float32), np.empty(most, np.int32), np.empty(16, np.float32)
     for c in range(m):
         a, b = (_part_start(total, c), _part_start(total, c + 1)) if m > 1 else (p0, p1)
-        _attend_part(ks, vs, qg, a, b, nks + (a - p0) * ks.strides[0], nvs + (a - p0) * vs.strides[0], other,
-                     scores, bits, lanes, o[c], tops[c], dens[c])
+        _attend_part(ks, vs, width, qg, a, b, nks + (a - p0) * ks.strides[0], nvs + (a - p0) * vs.strides[0],
+                     other, scores, bits, lanes, o[c], tops[c], dens[c])
     dst = out[t, kv * group * hd:(kv + 1) * group * hd]
     if m > 1:
         _join(o, tops, dens, dst)
@@ -429,10 +432,11 @@ def _largest(x: np.ndarray, lanes: np.ndarray) -> np.float32:
 
 
 @njit(inline="always", cache=True)
-def _attend_part(ks: np.ndarray, vs: np.ndarray, qg: np.ndarray, p0: int, p1: int, nks: int, nvs: int,
+def _attend_part(ks: np.ndarray, vs: np.ndarray, width: int, qg: np.ndarray, p0: int, p1: int, nks: int, nvs: int,
                  other: bool, scores: np.ndarray, bits: np.ndarray, lanes: np.ndarray, o: np.ndarray,
                  tops: np.ndarray, dens: np.ndarray) -> None:
-    """Positions p0..p1 of one KV head's rows ks, vs for the group's scaled queries qg: the unnormalized weighted
+    """Positions p0..p1 of one KV head's rows ks, vs (their bytes, elements of `width`) for the group's scaled
+    queries qg: the unnormalized weighted
     values o [group, hd], the scores' maximum tops [group] and the softmax denominators dens [group]. nks, nvs:
     the addresses of the next part's first key and value rows, requested into the caches with these if other.
     scores [group, >= p1 - p0], bits [>= p1 - p0] and lanes [16]: room."""
@@ -453,15 +457,15 @@ def _attend_part(ks: np.ndarray, vs: np.ndarray, qg: np.ndarray, p0: int, p1: in
                     prefetch_keep(nks + r * kstride + c)
                     prefetch_keep(nvs + r * vstride + c)
         args = (k0 + p * kstride, kstride, hd, qg.ctypes.data, hd * 4, group, scores.ctypes.data + p * 4, sstride)
-        if p + 1 == span and ks.itemsize == 2:
+        if p + 1 == span and width == 2:
             _scores_half(*args)
-        elif p + 1 == span and ks.itemsize == 1:
+        elif p + 1 == span and width == 1:
             _scores_q8(*args)
         elif p + 1 == span:
             _scores_float(*args)
-        elif ks.itemsize == 2:
+        elif width == 2:
             _scores2_half(*args)
-        elif ks.itemsize == 1:
+        elif width == 1:
             _scores2_q8(*args)
         else:
             _scores2_float(*args)
@@ -477,9 +481,9 @@ def _attend_part(ks: np.ndarray, vs: np.ndarray, qg: np.ndarray, p0: int, p1: in
     for b0 in range(0, span, _SUM_BLOCK):
         args = (v0 + b0 * vstride, vstride, min(_SUM_BLOCK, span - b0), hd, scores.ctypes.data + b0 * 4, sstride,
                 group, o.ctypes.data, hd * 4)
-        if vs.itemsize == 2:
+        if width == 2:
             _wsum_half(*args)
-        elif vs.itemsize == 1:
+        elif width == 1:
             _wsum_q8(*args)
         else:
             _wsum_float(*args)

@@ -176,7 +176,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
      gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev) = weights
     attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2 = norms
     q_rows, kv_rows, hidden, n_heads, n_kv_heads, head_dim, kb_dim, kb_q, kb_hidden = dims
-    cos, sin, keys, values, slots, positions, att_tasks, part_o, part_top, part_den = rope_cache
+    cos, sin, keys, values, width, slots, positions, att_tasks, part_o, part_top, part_den = rope_cache
     xs, h, qkv, q_roped, k_roped, a, a_normed, attended, gu, f, f_normed, down = buffers
     qd, sd, qsumd, qtotd, qo, so, qsumo, qtoto, qf, sf, qsumf, qtotf = acts
     (n, dim), n_layers = xs.shape, qkv_tasks.shape[0]
@@ -198,7 +198,8 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             k0, v0 = n * q_rows, n * (q_rows + kv_rows)
             fk.rope(qkv[:k0].reshape((n, q_rows)), n_heads, head_dim, cos, sin, q_roped)
             fk.rope(qkv[k0:v0].reshape((n, kv_rows)), n_kv_heads, head_dim, cos, sin, k_roped)
-            attn.store_kv(k_roped, qkv[v0:].reshape((n, kv_rows)), keys[layer], values[layer], slots, positions)
+            attn.store_kv(k_roped, qkv[v0:].reshape((n, kv_rows)), keys[layer], values[layer], width, slots,
+                          positions)
             atomics.store(ctrl, c + _PART * _KV_STORED, 1)
         m[ph.QKV_SERIAL] = atomics.cycles()
         _wait_fetching(ctrl, c + _PART * _KV_STORED, wo_tasks[layer], part, n_parts, no_record)
@@ -208,8 +209,8 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             task = atomics.fetch_add(ctrl, c + _PART * _NEXT_HEAD, 1)
             if task >= len(att_tasks):
                 break
-            attn.attend(task, att_tasks, q_roped, keys[layer], values[layer], slots, positions, n_heads, a, part_o,
-                        part_top, part_den, n_parts)
+            attn.attend(task, att_tasks, q_roped, keys[layer], values[layer], width, slots, positions, n_heads, a,
+                        part_o, part_top, part_den, n_parts)
             ran += 1
         m[ph.ATTEND_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _HEADS_DONE, ran, len(att_tasks)):
@@ -264,14 +265,15 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
                         gu_tasks: np.ndarray, gu_bstride: int, gu_scale: np.ndarray, gu_rev: bool,
                         d_tasks: np.ndarray, d_bstride: int, d_scale: np.ndarray, d_rev: bool,
                         q_rows: int, kv_rows: int, hidden: int, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
-                        values: np.ndarray, slots: np.ndarray, positions: np.ndarray, n_heads: int, n_kv_heads: int,
-                        head_dim: int, wide_bytes: int, n_parts: int, marks: np.ndarray) -> np.ndarray:
+                        values: np.ndarray, width: int, slots: np.ndarray, positions: np.ndarray, n_heads: int,
+                        n_kv_heads: int, head_dim: int, wide_bytes: int, n_parts: int, marks: np.ndarray) -> np.ndarray:
     """x [n, dim] (a few tokens, each of its slot and position) through every layer l: x += wo(sub_norm(attention(
     rope(q), rope(k), v))), q, k, v of rmsnorm(x, attn_norm[l]) (one stack, in that order), k and v stored in the
     cache's layer l first; then x += down(sub_norm(act(gate) * up)), gate and up of rmsnorm(x, ffn_norm[l]). The
     provider's operations in their order, to the bit. Per layer, a projection's arrays are [l] of these ([layers,
-    tasks, 6] tasks, [layers, rows] scales); keys and values are the cache [layers, n_seqs, n_kv_heads, n_ctx,
-    head_dim]. A task runs every token through its rows, as matmul_rowscale's (rowscale_task).
+    tasks, 6] tasks, [layers, rows] scales); keys and values are the cache's bytes [layers, n_seqs, n_kv_heads,
+    n_ctx, row bytes], its elements of `width` bytes (attention.cache_bytes). A task runs every token through its
+    rows, as matmul_rowscale's (rowscale_task).
 
     n_parts threads enter one region. In each of a layer's five phases (Q/K/V's tasks, the attention tasks (a
     token and a KV head each, over up to attention.CHUNK positions), wo's tasks, gate/up's, down's) they claim
@@ -315,7 +317,7 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
                          gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev),
             (attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2),
             (q_rows, kv_rows, hidden, n_heads, n_kv_heads, head_dim, kb_dim, kb_q, kb_hidden),
-            (cos, sin, keys, values, slots, positions, att_tasks, part_o, part_top, part_den),
+            (cos, sin, keys, values, width, slots, positions, att_tasks, part_o, part_top, part_den),
             (xs, h, qkv, q_roped, k_roped, a, a_normed, attended, gu, f, f_normed, down),
             (qd, sd, qsumd, qtotd, qo, so, qsumo, qtoto, qf, sf, qsumf, qtotf)))
     return xs

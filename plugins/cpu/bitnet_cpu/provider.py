@@ -161,13 +161,6 @@ def permute_cols(x: np.ndarray, fields_reversed: bool = False) -> np.ndarray:
     return np.ascontiguousarray(fields.transpose(0, 1, 3, 2)).reshape(n, cols)
 
 
-def _head_major(kv: np.ndarray) -> np.ndarray:
-    """The cache [..., n_ctx, n_kv_heads, head_dim] (a layer, or all) as its memory holds it, [..., n_kv_heads, n_ctx,
-    head_dim], C-contiguous (so numba vectorizes along head_dim); an F16 cache as its bits (uint16)."""
-    kv = np.swapaxes(kv, -3, -2)
-    return kv.view(np.uint16) if kv.dtype == np.float16 else kv
-
-
 @dataclass(frozen=True, eq=False)
 class _LayerStack:
     """Every layer's tables for layers_row_rowscale, stacked: the norms [layers, width] (a column of ones for
@@ -291,7 +284,7 @@ class CpuProvider(ReferenceProvider):
         scale a tensor) through every layer in one parallel region (layer_regions.layers_row_rowscale); anything
         else as the operations one by one, and so does a subclass that replaces one of them (its own act_mul,
         say), which the region would bypass."""
-        keys, values = _head_major(cache.k), _head_major(cache.v)
+        (keys, width), (values, _) = attn.cache_bytes(cache.k), attn.cache_bytes(cache.v)
         stack = None
         if (_ours(type(self)) and 1 <= len(x) <= _STACK_TOKENS
                 and act_quant == "row" and act in ACTIVATIONS
@@ -311,7 +304,7 @@ class CpuProvider(ReferenceProvider):
         return self._tk.layers_row_rowscale(
             np.ascontiguousarray(x, np.float32), *stack.norms, float(eps), act == "relu2", *stack.qkv, *stack.wo,
             *stack.gate_up, *stack.down, n_heads * head_dim, n_kv_heads * head_dim, stack.hidden, cos, sin, keys,
-            values, slots, positions, n_heads, n_kv_heads, head_dim, self.wide_bytes, self.n_threads,
+            values, width, slots, positions, n_heads, n_kv_heads, head_dim, self.wide_bytes, self.n_threads,
             self.stack_marks)
 
     def _stack_of(self, layers: Sequence[LayerWeights], dim: int, q_rows: int, kv_rows: int) -> _LayerStack | None:
@@ -400,8 +393,8 @@ class CpuProvider(ReferenceProvider):
         check_slots(cache, slots, positions, len(q))
         q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
         out = np.empty_like(q)
-        keys, values = _head_major(cache.k[layer]), _head_major(cache.v[layer])
-        attn.attention(q, k, v, keys, values, slots, positions, n_heads, out, self.n_threads)
+        (keys, width), (values, _) = attn.cache_bytes(cache.k[layer]), attn.cache_bytes(cache.v[layer])
+        attn.attention(q, k, v, keys, values, width, slots, positions, n_heads, out, self.n_threads)
         return out
 
     def kv_cache(self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim: int, n_seqs: int = 1,
