@@ -255,9 +255,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, val
     store_kv(k, v, keys, values, width, slots, positions)
     tasks = attention_tasks(positions, keys.shape[1])
     part_o, part_top, part_den = part_buffers(tasks, n_heads // keys.shape[1], head_dim(keys, width))
-    for task in prange(len(tasks)):
-        attend(task, tasks, q, keys, values, width, slots, positions, n_heads, out, part_o, part_top, part_den,
-               n_threads)
+    for task in prange(len(tasks)):  # (the index as int64, as the region's: see layers_row_rowscale; 4.6 s less)
+        attend(np.int64(task), tasks, q, keys, values, width, slots, positions, n_heads, out, part_o, part_top,
+               part_den, n_threads)
     combine(tasks, part_o, part_top, part_den, out)
 
 
