@@ -4,7 +4,9 @@ Each measurement is a fresh process; ours and llama.cpp alternate within every r
 the same background load (the machines this runs on are shared), and the table shows medians
 of `--runs` with the ratios ours / llama.cpp. A memory-bandwidth probe (numba, the same thread
 count, with and without software prefetch, best of all runs) gives the decode ceiling: the
-bytes one decode step must read (ternary weights plus the LM head) over the probed GB/s. A multiply
+bytes one decode step must read (ternary weights plus the LM head) over the probed GB/s. Each of our processes
+also reads 512 MB on its own threads after it decodes: a process's memory stays fast or slow through its life on
+the shared hosts, and decode's share of that read is its share of what its own process could read. A multiply
 probe (the int8 multiply-add instruction of the kernels' ISA level, registers only, best of all runs)
 gives prefill's: the ternary products of one token over the probed products/s. The
 first-run JIT cost (empty numba cache) is measured once. "ready" is the load plus what the
@@ -38,6 +40,7 @@ Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --arch bitnet --wei
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -119,6 +122,10 @@ def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_hea
         if p.stack_marks.size:
             phases.append(stack_phases.seconds(p.stack_marks, rate))
     out = _finish(load_s, warm, n_prompt, prefill_s, n_decode, decode_s)
+    # The same threads reading 512 MB in this process, after its RSS is taken: on the shared hosts a process's
+    # memory stays fast or slow through its life (docs/measurements.md, session 50: 45-50 against 72-86 GB/s on
+    # the Zen 5 EPYC), so decode's share of this read is its share of what this process could read.
+    out["probe_gbps"] = max(read_gbps(np.empty(1 << 26, np.uint64), ahead, 3) for ahead in (False, True))
     out["stack_phases"] = {k: statistics.median(s[k] for s in phases) for k in phases[0]} if phases else {}
     out["kernels"] = sorted(k for k in p.dispatches if "bitlinear" in k or "lm_head" in k or "layer_stack" in k)
     eng.close()
@@ -212,6 +219,46 @@ def bitnet_cpp(bench: str, model: str, threads: int, n_prompt: int, n_decode: in
             "load_s": float("nan"), "ready_s": float("nan"), "rss_mb": float("nan")}
 
 
+_PAGE = 512  # uint64 per 4 KB: each page of the probe prefetches the next while it xors this one
+
+
+@functools.cache
+def _reader() -> Callable[..., int]:
+    import numba
+    import numpy as np
+
+    from bitnet_cpu.float_kernels import prefetch
+
+    @numba.njit(parallel=True)
+    def read(pages: np.ndarray, ahead: bool) -> int:
+        n = pages.shape[0]
+        parts = numba.get_num_threads()
+        acc = np.zeros(parts, np.uint64)
+        step = (n + parts - 1) // parts
+        for t in numba.prange(parts):
+            s = np.uint64(0)
+            for p in range(t * step, min(n, (t + 1) * step)):
+                if ahead:
+                    for c in range(0, _PAGE * 8, 64):
+                        prefetch(pages.ctypes.data + (p + 1) * _PAGE * 8 + c)
+                row = pages[p]
+                for i in range(_PAGE):
+                    s ^= row[i]
+            acc[t] = s
+        return int(acc.sum())
+
+    return read
+
+
+def read_gbps(a: Any, ahead: bool, rounds: int) -> float:
+    """GB/s of numba's threads reading uint64 array `a` (its pages touched first), best of `rounds`."""
+    a[:] = 1
+    pages = a.reshape(-1, _PAGE)
+    read = _reader()
+    read(pages, ahead)
+    return a.nbytes / min(_timed(read, pages, ahead) for _ in range(rounds)) / 1e9
+
+
 def worker_bandwidth(threads: int) -> dict[str, Any]:
     """Read GB/s of `threads` numba threads streaming a 1 GB array, best of 5, with and without
     software prefetch with the kernels' hint (they prefetch, and on AMD beat a plain loop's figure by up to 40 %;
@@ -226,29 +273,7 @@ def worker_bandwidth(threads: int) -> dict[str, Any]:
     import numba
     import numpy as np
 
-    from bitnet_cpu.float_kernels import prefetch
-
     numba.set_num_threads(threads)
-    page = 512  # uint64 per 4 KB: each page prefetches the next while it xors this one
-
-    @numba.njit(parallel=True)
-    def read(pages: np.ndarray, ahead: bool) -> int:
-        n = pages.shape[0]
-        parts = numba.get_num_threads()
-        acc = np.zeros(parts, np.uint64)
-        step = (n + parts - 1) // parts
-        for t in numba.prange(parts):
-            s = np.uint64(0)
-            for p in range(t * step, min(n, (t + 1) * step)):
-                if ahead:
-                    for c in range(0, page * 8, 64):
-                        prefetch(pages.ctypes.data + (p + 1) * page * 8 + c)
-                row = pages[p]
-                for i in range(page):
-                    s ^= row[i]
-            acc[t] = s
-        return int(acc.sum())
-
     # In 4 KB and in 2 MB pages (the model file's, where its page cache holds 2 MB folios: see huge_pages).
     huge = mmap.mmap(-1, (1 << 30) + (2 << 20))
     huge.madvise(mmap.MADV_HUGEPAGE)
@@ -256,11 +281,8 @@ def worker_bandwidth(threads: int) -> dict[str, Any]:
     spare = spare[-spare.ctypes.data % (2 << 20):][:1 << 30].view(np.uint64)
     best = {}
     for pages, a in (("4k", np.empty(1 << 27, dtype=np.uint64)), ("2m", spare)):
-        a[:] = 1  # every page in before it is timed
-        a = a.reshape(-1, page)
         for ahead in (False, True):
-            read(a, ahead)
-            best[pages, ahead] = a.nbytes / min(_timed(read, a, ahead) for _ in range(5)) / 1e9
+            best[pages, ahead] = read_gbps(a, ahead, 5)
     return {"gbps": max(best.values()), "plain_gbps": best["4k", False], "prefetch_gbps": best["4k", True],
             "huge_pages_gbps": max(best["2m", False], best["2m", True])}
 
@@ -477,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"ratios, {min(rounds):.2f}-{max(rounds):.2f})")
         print(f"{t:>3} bandwidth probe {bandwidth[t]:.1f} GB/s; spread = max/min decode over the runs; "
               "ready = load + what the first forward pass costs beyond a second one")
+        own = [(step_gb * r["decode_tps"] / r["probe_gbps"], r["probe_gbps"]) for r in results[("ours", t)]]
+        print(f"{t:>3} our decode reads at {statistics.median(s for s, _ in own):.0%} "
+              f"({min(s for s, _ in own):.0%}-{max(s for s, _ in own):.0%}) of a read in its own process "
+              f"({min(g for _, g in own):.1f}-{max(g for _, g in own):.1f} GB/s)")
         phases = [r["stack_phases"] for r in results[("ours", t)] if r.get("stack_phases")]
         if phases:
             ms = {k: 1e3 * statistics.median(ph[k] for ph in phases) for k in phases[0]}
