@@ -239,7 +239,8 @@ x = np.ones((1, 256), np.float32)
 p._tk.quantize_rows(x, np.empty((1, 256), np.int8), np.empty(1, np.float32), np.empty((1, 1), np.int32), False)
 print(p.isa)
 """
-ANNOUNCEMENT = "bitnet-cpu: compiling CPU kernels for this machine, once"
+ANNOUNCEMENT = ("bitnet-cpu: compiling CPU kernels for this machine, once (up to a minute or two; "
+                "`bitnet-select --device cpu warmup` compiles them all ahead)")
 
 
 def _run(level: str | None, cache: Path) -> tuple[str, list[str]]:

@@ -215,7 +215,9 @@ def announce_compiles() -> None:
                 return
             _announced = True
             where = "once" if getattr(sys.modules.get(module), "CACHE", True) else "no writable cache: every run"
-            print(f"bitnet-cpu: compiling CPU kernels for this machine, {where}", file=sys.stderr, flush=True)
+            # How long, so a silent minute does not look like a hang (40-60 s on 2 cores of a Zen 5 EPYC).
+            print(f"bitnet-cpu: compiling CPU kernels for this machine, {where} (up to a minute or two; "
+                  "`bitnet-select --device cpu warmup` compiles them all ahead)", file=sys.stderr, flush=True)
 
         def on_end(self, ev: event.Event) -> None:
             pass
