@@ -278,7 +278,7 @@ def test_a_long_sequences_attention_in_parts_runs_in_the_region_as_the_operation
 
 def test_every_cache_type_reaches_the_kernels_as_one_array_type() -> None:
     # The region and the operations' attention take a cache as its bytes and its elements' width, so one compile
-    # serves every cache type (the region had compiled for ~40 s of the warmup per type). Their results on each
+    # serves every cache type (the region had compiled for 56-60 s of the warmup per type). Their results on each
     # type are the tests above.
     from numba import typeof
 

@@ -306,8 +306,8 @@ def cache_bytes(kv: np.ndarray) -> tuple[np.ndarray, int]:
     """A cache [..., n_ctx, n_kv_heads, head_dim] (a layer, or all) as these kernels take it: in its memory's order,
     [..., n_kv_heads, n_ctx, row] (C-contiguous for the plugin's own cache, so the loops run along head_dim), as
     bytes; and the bytes of one element (4 float32, 2 F16, 1 q8). One array type for every cache type: each kernel
-    that reads a cache compiles once, not once per type (the layer region had taken ~40 s of the warmup per type
-    on a Zen 5)."""
+    that reads a cache compiles once, not once per type (the layer region had taken 56-60 s of the warmup per
+    type on a Zen 5)."""
     kv = np.swapaxes(kv, -3, -2)
     return kv.view(np.uint8), kv.itemsize
 
