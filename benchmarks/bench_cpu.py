@@ -125,7 +125,8 @@ def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_hea
     # The same threads reading 512 MB in this process, after its RSS is taken: on the shared hosts a process's
     # memory stays fast or slow through its life (docs/measurements.md, session 50: 45-50 against 72-86 GB/s on
     # the Zen 5 EPYC), so decode's share of this read is its share of what this process could read.
-    out["probe_gbps"] = max(read_gbps(np.empty(1 << 26, np.uint64), ahead, 3) for ahead in (False, True))
+    room = np.empty(1 << 26, np.uint64)
+    out["probe_gbps"] = max(read_gbps(room, ahead, 3) for ahead in (False, True))
     out["stack_phases"] = {k: statistics.median(s[k] for s in phases) for k in phases[0]} if phases else {}
     out["kernels"] = sorted(k for k in p.dispatches if "bitlinear" in k or "lm_head" in k or "layer_stack" in k)
     eng.close()
