@@ -127,9 +127,13 @@ def test_prefill_chunks_interleave_with_decodes_and_change_nothing(engine: Engin
 def test_requests_join_between_steps_and_a_slot_frees_when_its_sequence_ends(engine: Engine) -> None:
     kwargs = dict(logit_bias=no_eog(engine))
     with Scheduler(engine) as s:
-        long = s.submit(PROMPTS[1], max_tokens=60, **kwargs)
+        long = s.submit(PROMPTS[1], max_tokens=200, **kwargs)
         first = next(iter(long))  # running
-        short = s.submit(PROMPTS[0], max_tokens=3, **kwargs)
+        # Submitted while the scheduler waits at its next step (it takes _wake between steps): the short one joins
+        # long before the long one can end, however slowly this thread runs beside the other test workers (with
+        # 60 tokens and no hold, a loaded CI host once let the long one finish first).
+        with s._wake:
+            short = s.submit(PROMPTS[0], max_tokens=3, **kwargs)
         assert short.text() and short.finish_reason == "length" and short.generated_tokens == 3
         assert long.finish_reason is None  # still going while the short one came and went
         rest = "".join(step.text for step in long)
