@@ -12,7 +12,7 @@ PY=${PYTHON:-python3}
 # Byte-compile the editable sources: where the environment forbids writing .pyc at run time
 # (PYTHONDONTWRITEBYTECODE), every load would otherwise compile ~30 modules again (~0.1 s).
 .venv/bin/python -m compileall -q core/bitnet plugins/*/bitnet_* >/dev/null
-# Compile the CPU kernels for this machine now (20-40 s, cached on disk), not in the first run.
+# Compile the CPU kernels for this machine now (about 70 s on a 2-core Zen 5, cached on disk), not in the first run.
 .venv/bin/bitnet-select --device cpu warmup
 if [ "${1:-}" = "--dev" ]; then
   .venv/bin/python -m pip install -q -r requirements-dev.txt
