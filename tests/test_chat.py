@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -254,8 +255,11 @@ def test_chat_errors_are_one_line(env: dict[str, str], tmp_path: Path) -> None:
 
 def test_terminal_chat_ctrl_c_ends_the_reply_not_the_chat(env: dict[str, str]) -> None:
     pexpect = pytest.importorskip("pexpect", reason="pexpect drives the terminal")
+    # Ctrl-C as a terminal gives it to a program started in the foreground, even where this run was started in the
+    # background (which ignores SIGINT; a child inherits that, and Python then leaves Ctrl-C ignored at the prompt).
     child = pexpect.spawn(sys.executable, ["-m", "bitnet", "chat", "--n-ctx", "2048", "-n", "2000", "--ignore-eos"],
-                          env=env, encoding="utf-8", timeout=120)
+                          env=env, encoding="utf-8", timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         child.expect_exact(">>> ")
         child.sendline("Hello")
@@ -340,7 +344,6 @@ def test_a_system_error_of_another_cause_is_not_taken_for_ctrl_c() -> None:
 
 def test_the_first_ctrl_c_stops_a_long_prompt_at_once() -> None:
     """Before the first piece (the prompt still being read) one Ctrl-C stops the reply at once, not after a token."""
-    import signal
 
     def stream() -> Iterator[str]:
         signal.raise_signal(signal.SIGINT)
@@ -354,7 +357,8 @@ def test_the_first_ctrl_c_stops_a_long_prompt_at_once() -> None:
 @pytest.mark.parametrize(("presses", "written"), [(1, "one more \n"), (2, "one \n")])
 def test_ctrl_c_stops_after_the_current_token_and_twice_at_once(presses: int, written: str) -> None:
     """Once: the reply ends at the next token, so the interrupt never lands inside a kernel. Twice: at once."""
-    import signal
+
+    before = signal.getsignal(signal.SIGINT)  # Python's own, or SIG_IGN in a job started in the background
 
     def stream() -> Iterator[str]:  # streams forever; the terminal sends SIGINT `presses` times after one piece
         yield "one "
@@ -365,4 +369,4 @@ def test_ctrl_c_stops_after_the_current_token_and_twice_at_once(presses: int, wr
 
     out, err = _turn_of(stream)
     assert out == written and "(reply stopped)" in err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the prompt's Ctrl-C is Python's again
+    assert signal.getsignal(signal.SIGINT) is before  # the prompt's Ctrl-C is what it was again
