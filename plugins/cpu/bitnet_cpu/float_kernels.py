@@ -48,8 +48,11 @@ def _as_float(typingctx: Any, x: Any) -> Any:
 
 
 _ACCS = 2  # accumulators per (row, token), taking alternate lane steps: two FMA chains in flight
-# (tokens, table rows) per pass: at most 8 of AVX2's 16 registers accumulate; the last takes any row count
-_PASSES = ((1, 2), (2, 2), (4, 1))
+# (tokens, table rows) per pass: at most 8 of AVX2's 16 registers accumulate; the last takes any row count. One
+# token reads one row a pass, one stream: on the Zen 5 EPYC two rows a pass had read 35.2 GB/s on one thread against
+# one row's 39.3 (four: 34.6), and decode steps with the F16 head took 3.9 % (1 thread) and 5.5 % (2) longer; on the
+# Emerald Rapids Xeon one row and two had read alike (13.8-14.3 against 14.2-14.5 GB/s, 2 threads 27.9 / 25.4-28.0).
+_PASSES = ((1, 1), (2, 2), (4, 1))
 _STEP = 32  # columns per loop iteration: one 64-byte line of an F16 row, in lane steps of 8 or 16 columns
 # float32 lanes of an accumulator: a zmm on AVX-512 hosts, where 8 lanes (a ymm) had left the F16 head below the
 # stream: on the 2-core Emerald Rapids Xeon 12.2 -> 14.2 GB/s on one thread, 23-25 -> 27-28 on two (2B-4T's
