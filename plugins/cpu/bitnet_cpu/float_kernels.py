@@ -9,8 +9,8 @@ NaN/Inf special cases are needed. Each (row, token) sums in two float32 vector a
 take alternate 8- or 16-column steps (a ymm, or a zmm on AVX-512 hosts) over the whole row, in an order
 fixed by the IR and the same however many rows and tokens a pass takes, so a token's logits never depend
 on its batch; they stay within
-~1e-6 relative of the float64 reference. A pass takes one or two tokens over two rows, or four
-tokens over one row: each converted vector serves every token of the pass, each token vector every
+~1e-6 relative of the float64 reference. A pass takes one token over one row, two tokens over two rows,
+or four tokens over one row: each converted vector serves every token of the pass, each token vector every
 row, and 8 accumulators at most leave AVX2's other registers to the operands (16 spilled). Each
 step requests the next pass's rows as far along as it is, with the ternary codes' hint
 (`dot_ir.STREAM_LOCALITY`: on a 2-core Emerald Rapids Xeon `prefetcht2` made one token 1.42x faster on one
