@@ -9,9 +9,9 @@ NaN/Inf special cases are needed. Each (row, token) sums in two float32 vector a
 take alternate 8- or 16-column steps (a ymm, or a zmm on AVX-512 hosts) over the whole row, in an order
 fixed by the IR and the same however many rows and tokens a pass takes, so a token's logits never depend
 on its batch; they stay within
-~1e-6 relative of the float64 reference. A pass takes one token over one row, two tokens over two rows,
-or four tokens over one row: each converted vector serves every token of the pass, each token vector every
-row, and 8 accumulators at most leave AVX2's other registers to the operands (16 spilled). Each
+~1e-6 relative of the float64 reference. A pass takes one token over one row (two rows on 8 lanes), two
+tokens over two rows, or four tokens over one row: each converted vector serves every token of the pass, each
+token vector every row, and 8 accumulators at most leave AVX2's other registers to the operands (16 spilled). Each
 step requests the next pass's rows as far along as it is, with the ternary codes' hint
 (`dot_ir.STREAM_LOCALITY`: on a 2-core Emerald Rapids Xeon `prefetcht2` made one token 1.42x faster on one
 thread than `prefetchnta`, which AMD keeps): one linear stream, where each row requesting its own lines ahead
@@ -48,11 +48,13 @@ def _as_float(typingctx: Any, x: Any) -> Any:
 
 
 _ACCS = 2  # accumulators per (row, token), taking alternate lane steps: two FMA chains in flight
-# (tokens, table rows) per pass: at most 8 of AVX2's 16 registers accumulate; the last takes any row count. One
-# token reads one row a pass, one stream: on the Zen 5 EPYC two rows a pass had read 35.2 GB/s on one thread against
-# one row's 39.3 (four: 34.6), and decode steps with the F16 head took 3.9 % (1 thread) and 5.5 % (2) longer; on the
-# Emerald Rapids Xeon one row and two had read alike (13.8-14.3 against 14.2-14.5 GB/s, 2 threads 27.9 / 25.4-28.0).
-_PASSES = ((1, 1), (2, 2), (4, 1))
+# (tokens, table rows) per pass, by the row dots' lanes: at most 8 of AVX2's 16 registers accumulate; the last takes
+# any row count. One token reads one row a pass on 16 lanes, one stream: on the Zen 5 EPYC two rows a pass had read
+# 35.2 GB/s on one thread against one row's 39.3 (four: 34.6), and decode steps with the F16 head took 3.9 % (1
+# thread) and 5.5 % (2) longer; on the Emerald Rapids Xeon the two had read alike (13.8-14.3 against 14.2-14.5 GB/s,
+# 2 threads 27.9 / 25.4-28.0). On 8 lanes the dot is nearer its compute bound and two rows share each token vector:
+# on the Zen 5, one token 36.3 GB/s with two rows against 35.1 with one, two tokens 35.7 against 29.8.
+_PASSES = {16: ((1, 1), (2, 2), (4, 1)), 8: ((1, 2), (2, 2), (4, 1))}
 _STEP = 32  # columns per loop iteration: one 64-byte line of an F16 row, in lane steps of 8 or 16 columns
 # float32 lanes of an accumulator: a zmm on AVX-512 hosts, where 8 lanes (a ymm) had left the F16 head below the
 # stream: on the 2-core Emerald Rapids Xeon 12.2 -> 14.2 GB/s on one thread, 23-25 -> 27-28 on two (2B-4T's
@@ -210,7 +212,7 @@ def _make_pass(tile: int, rows: int, half: bool, lanes: int) -> Any:
 def _make_head(half: bool, lanes: int = _LANES) -> Any:
     """The LM head over a table of F16 bits (uint16: numba has no float16 arrays) or of float32, its row dots
     `lanes` floats wide (the host's; the tests build both widths)."""
-    pass1, pass2, pass4 = (_make_pass(tile, rows, half, lanes) for tile, rows in _PASSES)
+    pass1, pass2, pass4 = (_make_pass(tile, rows, half, lanes) for tile, rows in _PASSES[lanes])
 
     @njit(inline="always")
     def head(x: np.ndarray, table: np.ndarray, rows_per_task: int, out: np.ndarray) -> None:
