@@ -100,3 +100,27 @@ def test_the_avx2_kernel_styles_compute_the_reference_sums(tmp_path: Path) -> No
         assert r.returncode == 0 and "give the reference's sums" in r.stdout, r.stdout + r.stderr
     broken = avx2_styles(tmp_path, 2, "-DBREAK_TABLE")
     assert broken.returncode == 1 and broken.stdout.startswith("lut: row "), broken.stdout
+
+
+def packing_probe(tmp_path: Path, broken: bool) -> subprocess.CompletedProcess[str]:
+    """The probe's exactness check alone (no rounds); `broken` runs a copy whose trit-4 table is trit 3's."""
+    script = BENCHMARKS / "packing_probe.py"
+    if broken:
+        text = script.read_text()
+        assert "_FIFTH = TRITS[4]" in text
+        script = tmp_path / "packing_probe.py"
+        script.write_text(text.replace("_FIFTH = TRITS[4]", "_FIFTH = TRITS[3]"))
+    return subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True, timeout=120)
+
+
+def test_the_packing_probe_checks_its_base3_dot(tmp_path: Path) -> None:
+    from llvmlite import binding
+
+    if not (binding.get_host_cpu_features().get("avx512vbmi") and "avx512vnni" in isa.host_levels()):
+        r = packing_probe(tmp_path, False)
+        assert (r.returncode, r.stdout) == (1, "") and "lacks AVX-512 VBMI or VNNI" in r.stderr, r.stderr
+        return
+    r = packing_probe(tmp_path, False)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    r = packing_probe(tmp_path, True)
+    assert r.returncode == 1 and "the base-3 prototype's sum" in r.stderr and "is wrong" in r.stderr, r.stderr
