@@ -5,6 +5,12 @@ Numba types every integer expression as int64, so a plain loop over uint8 codes 
 activations vectorizes into 64-bit lanes and runs at a tenth of the memory bandwidth. The
 inner loop is therefore emitted here as LLVM vector IR on whole 256-value blocks:
 
+- "avx512vbmi": the "avx512vnni" dot on codes packed five to a byte (base 3, 1.6 bits a weight) where a row has one
+  scale: 64-byte blocks of 320 weights, byte l holding columns l, 64 + l, ..., 256 + l (trit s its column 64s + l,
+  so each trit multiplies 64 activations in natural order). Two AVX-512 VBMI `vpermi2b` lookups (a 128-byte table
+  each half of the byte range, blended on the sign bit) decode a byte: one gives trits 0-3 as 2-bit fields, the
+  other trit 4. One token's dot is bound by memory, and this reads 1.19-1.27x the weights a second of the 2-bit
+  codes on a Zen 5 (`benchmarks/packing_probe.py`). Per-block sums (block-scaled weights) keep 2-bit codes;
 - "avx512vnni": codes c in {0,1,2} times int8 activations with the 512-bit `vpdpbusd`
   (u8 x s8 -> i32, 64 products per instruction), the operation ternary weights map onto exactly;
 - "avxvnni": the same on 256-bit vectors (`llvm.x86.avx512.vpdpbusd.256`): LLVM encodes it as
@@ -54,6 +60,7 @@ def stream_locality(cpuinfo: str = "/proc/cpuinfo") -> int:
 
 STREAM_LOCALITY = stream_locality()
 BLOCK, BLOCK_BYTES = 256, 64  # values and code bytes a block
+BASE3_BLOCK = 320  # values of a base-3 block (BLOCK_BYTES bytes, five trits each)
 CHUNK = 64  # int8 values per step of the int8 dot (one 512-bit register)
 PREFETCH_BYTES = 8192  # how far past the block being read one row's codes are requested
 PAIR_AHEAD = 8  # two rows per pass request the same block this many rows on (2: 8-10 % slower at 8 tokens, 16: as 8)
@@ -65,8 +72,18 @@ TILE = 4  # tokens per pass over a weight row in prefill: TILE accumulators plus
 WIDE = 8
 ONE_TOKEN_ROWS = {"avx512vnni": 4} if STREAM_LOCALITY else {}  # rows of one token's pass (Intel's: see int_kernels)
 
-LEVELS = ("avx512vnni", "avxvnni", "avx2", "generic")  # best first
-_VNNI = ("avx512vnni", "avxvnni")
+LEVELS = ("avx512vbmi", "avx512vnni", "avxvnni", "avx2", "generic")  # best first
+VNNI = ("avx512vbmi", "avx512vnni", "avxvnni")
+
+
+def row_block(isa: str) -> int:
+    """Weights a block of a level's codes where a row has one scale (per-block sums always take BLOCK)."""
+    return BASE3_BLOCK if isa == "avx512vbmi" else BLOCK
+
+
+# Byte -> its five trits in base 3 (trit 0 least significant; 243-255 are never written): the base-3 lookup tables.
+_BYTE = np.minimum(np.arange(256), 242)
+TRITS = np.stack([(_BYTE // 3 ** k) % 3 for k in range(5)]).astype(np.uint8)
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
@@ -96,7 +113,7 @@ def prefetch_at(b: ir.IRBuilder, ptr: ir.Value, offset: int | ir.Value, locality
 
 def _width(isa: str) -> int:
     """Bytes per vector register of a level."""
-    return 64 if isa in ("avx512vnni", "generic") else 32
+    return 64 if isa in ("avx512vbmi", "avx512vnni", "generic") else 32
 
 
 class _Block:
@@ -106,7 +123,9 @@ class _Block:
         if isa not in LEVELS:
             raise ValueError(f"unknown ISA level {isa!r}")
         self.b, self.isa = builder, isa
-        self.vnni = isa in _VNNI
+        self.vnni = isa in VNNI
+        self.base3 = isa == "avx512vbmi"
+        self.fields = 5 if self.base3 else 4  # code fields a 64-byte block holds per register-wide part
         # VNNI with TILE or more tokens: their accumulators are already independent chains, and four per
         # token (8 tokens: 32 zmm) spilled to the stack in every block, so the fields share one.
         self.split = self.vnni and tile < TILE
@@ -133,7 +152,7 @@ class _Block:
     def n_acc(self) -> int:
         # VNNI: one accumulator per 2-bit field, so the vpdpbusd of a block do not wait on each
         # other's latency (one chain ran at half the memory bandwidth).
-        return 4 if self.split else 1
+        return self.fields if self.split else 1
 
     def zero(self) -> ir.Constant:
         return ir.Constant(self.acc_type, None)
@@ -148,6 +167,8 @@ class _Block:
 
         x4 (AVX2, for `pairs_x4`): one shift per register, not three; fields 1 and 3 come masked in place, 4c."""
         b, n = self.b, self.width
+        if self.base3:
+            return self._trits(self.load(wptr, 0, n))
         out = []
         for g in range(BLOCK_BYTES // n):
             w = self.load(wptr, n * g, n)
@@ -164,6 +185,24 @@ class _Block:
                     out.append(b.and_(b.lshr(w, _splat(_I8, n, 2 * s)), _splat(_I8, n, 3)))
         return out
 
+    def _trits(self, w: ir.Value) -> list[ir.Value]:
+        """The five trit fields of a base-3 block's 64 bytes: trits 0-3 from one lookup's 2-bit fields (masked in
+        place when split, as `codes`), trit 4 from the other's."""
+        b, v8 = self.b, _vec(_I8, 64)
+        perm = _declare(b.module, "llvm.x86.avx512.vpermi2var.qi.512", v8, [v8] * 3)
+        high = b.icmp_signed("<", w, ir.Constant(v8, None))  # bytes 128-242: each table's second half
+
+        def look(table: np.ndarray) -> ir.Value:
+            t = [ir.Constant(v8, [ir.Constant(_I8, int(v)) for v in table[64 * i:64 * i + 64]]) for i in range(4)]
+            return b.select(high, b.call(perm, [t[2], w, t[3]]), b.call(perm, [t[0], w, t[1]]))
+
+        low = look(TRITS[0] | TRITS[1] << 2 | TRITS[2] << 4 | TRITS[3] << 6)
+        if self.split:
+            out = [b.and_(low, _splat(_I8, 64, 3 << (2 * s))) for s in range(4)]
+        else:
+            out = [b.and_(b.lshr(low, _splat(_I8, 64, 2 * s)), _splat(_I8, 64, 3)) for s in range(4)]
+        return out + [look(TRITS[4])]
+
     def update(self, accs: list[list[ir.Value]], codes: list[list[ir.Value]],
                qptr: ir.Value) -> list[list[ir.Value]]:
         """Each row's accs + the block's sum(c * q) for that row's codes; qptr points at the block's 256
@@ -172,11 +211,11 @@ class _Block:
         if self.vnni:
             accs = [list(a) for a in accs]
             for g in range(BLOCK_BYTES // n):
-                for s in range(4):
+                for s in range(self.fields):
                     q = b.bitcast(self.load(qptr, 64 * s + n * g, n), self.acc_type)
                     a = s if self.split else 0
                     for row, c in zip(accs, codes, strict=True):
-                        row[a] = b.call(self.dpbusd, [row[a], b.bitcast(c[4 * g + s], self.acc_type), q])
+                        row[a] = b.call(self.dpbusd, [row[a], b.bitcast(c[self.fields * g + s], self.acc_type), q])
             return accs
         (acc,), (fields,) = accs, codes
         if self.isa == "avx2":
@@ -216,9 +255,9 @@ class _Block:
         """One (row, token)'s accumulators as one."""
         acc = accs[0]
         for s, more in enumerate(accs[1:], start=1):
-            # Every lane is a sum of multiples of 4**s (see codes()), so the shift is exact;
-            # lanes stay below 2**31 for rows shorter than 2**17 columns.
-            acc = self.b.add(acc, self.b.ashr(more, _splat(_I32, self.lanes, 2 * s)))
+            # Every lane of fields 1-3 is a sum of multiples of 4**s (see codes()), so the shift is exact;
+            # lanes stay below 2**31 for rows shorter than 2**17 columns. (Base 3's trit 4 comes unshifted.)
+            acc = self.b.add(acc, more if s == 4 else self.b.ashr(more, _splat(_I32, self.lanes, 2 * s)))
         return acc
 
     def total(self, accs: list[ir.Value]) -> ir.Value:
@@ -305,6 +344,8 @@ def emit_dot(builder: ir.IRBuilder, args: list[ir.Value], tile: int, per_block: 
     blk = _Block(builder, isa, tile)
     if rows > 1 and (not blk.vnni or per_block):
         raise ValueError("several rows per pass are a VNNI pass without per-block sums")
+    if per_block and blk.base3:
+        raise ValueError("base-3 blocks do not fall on the 256-blocks of per-block scales")
     w0 = builder.inttoptr(w_i, _I8.as_pointer())
     out = builder.inttoptr(out_i, _I32.as_pointer())
     qrows = _token_rows(builder, q_i, stride, ntok, tile)
@@ -359,7 +400,7 @@ def _block_codes(builder: ir.IRBuilder, blk: _Block, w0: ir.Value, wstep: ir.Val
     at = ir.Constant(_I64, PREFETCH_BYTES) if ahead is None else ahead
     for end in (0, BLOCK_BYTES - 1):  # (see the module docstring)
         prefetch_at(builder, wk, builder.add(at, ir.Constant(_I64, end)), STREAM_LOCALITY)
-    return blk.codes(wk, x4=x4), builder.mul(k, ir.Constant(_I64, BLOCK))
+    return blk.codes(wk, x4=x4), builder.mul(k, ir.Constant(_I64, BASE3_BLOCK if blk.base3 else BLOCK))
 
 
 def _block_loop(builder: ir.IRBuilder, blk: _Block, w_rows: list[ir.Value], nb: ir.Value, wstep: ir.Value,
@@ -541,7 +582,8 @@ def emit_peak(builder: ir.IRBuilder, n_iter: ir.Value, isa: str) -> ir.Value:
 # -- compile checks: a level's IR compiled for a CPU that has it, on any host --------------------------
 
 # A CPU model with each level (LLVM names), for compiling a level the host may lack.
-CHECK_CPU = {"avx512vnni": "icelake-server", "avxvnni": "alderlake", "avx2": "haswell", "generic": "x86-64"}
+CHECK_CPU = {"avx512vbmi": "icelake-server", "avx512vnni": "icelake-server", "avxvnni": "alderlake", "avx2": "haswell",
+             "generic": "x86-64"}
 _TRIPLE = "x86_64-unknown-linux-gnu"
 
 

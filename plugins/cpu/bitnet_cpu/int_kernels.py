@@ -33,13 +33,30 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from bitnet_cpu import float_kernels as fk
-from bitnet_cpu.dot_ir import BLOCK, CHUNK, ONE_TOKEN_ROWS, TILE, WIDE, emit_dot, emit_peak, emit_q8_dot
+from bitnet_cpu.dot_ir import (
+    BLOCK,
+    CHUNK,
+    ONE_TOKEN_ROWS,
+    TILE,
+    VNNI,
+    WIDE,
+    emit_dot,
+    emit_peak,
+    emit_q8_dot,
+    row_block,
+)
 
 try:  # set by bitnet_cpu.isa.build() before it runs this module
     ISA: str = globals()["ISA"]
     CACHE: bool = globals()["CACHE"]
 except KeyError:
     raise ImportError("bitnet_cpu.int_kernels is built per instruction set: use bitnet_cpu.isa.kernels()") from None
+
+# Weights a block of the codes of rows with one scale: 320 where they are packed in base 3 (avx512vbmi, see dot_ir),
+# whose rows are padded to whole blocks (`pack_base3`). Per-block sums run on 2-bit codes at every level.
+RB = row_block(ISA)
+BASE3 = RB != BLOCK
+_PER_BLOCK_ISA = "avx512vnni" if BASE3 else ISA
 
 
 def _make_dot(tile: int, per_block: bool) -> Callable[..., Any]:
@@ -49,7 +66,7 @@ def _make_dot(tile: int, per_block: bool) -> Callable[..., Any]:
     def dot(typingctx: Any, w_addr: Any, n_blocks: Any, w_stride: Any, q_addr: Any, q_stride: Any, n_tok: Any,
             out_addr: Any) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-            emit_dot(builder, list(args), tile, per_block, ISA)
+            emit_dot(builder, list(args), tile, per_block, _PER_BLOCK_ISA if per_block else ISA)
             return context.get_dummy_value()
 
         return types.void(*[types.intp] * 7), codegen
@@ -116,7 +133,7 @@ _q8_dot = _make_q8_dot(TILE)
 _q8_dot_wide = _make_q8_dot(WIDE)  # from 5 tokens on: each row read once for up to WIDE of them
 # VNNI, TILE tokens or more: two rows per pass (table rows here, weight rows in BitLinear) share each activation
 # load (see emit_dot, emit_q8_dot).
-_PAIRS = ISA in ("avx512vnni", "avxvnni")
+_PAIRS = ISA in VNNI
 _q8_dot_pair = _make_q8_dot(TILE, 2) if _PAIRS else _q8_dot
 _q8_dot_wide_pair = _make_q8_dot(WIDE, 2) if _PAIRS else _q8_dot_wide
 
@@ -144,16 +161,73 @@ def _quantize_block(x: np.ndarray, src: int, scale: np.float32, q: np.ndarray, d
 
 
 @njit(inline="always", cache=CACHE)
+def _row_scale(x: np.ndarray) -> np.float32:
+    """BitNet's per-row activation scale: 127/max|x|, 1 for a zero row."""
+    amax = fk.amax(x)
+    return np.float32(127.0) / amax if amax > 0 else np.float32(1.0)
+
+
+@njit(inline="always", cache=CACHE)
 def quantize_rows(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndarray, rev: bool) -> None:
     """BitNet per-row int8: s = 127/max|x| (1 for a zero row), q = clamp(rint(x*s)) in byte order,
     qsum[t, b] = sum of block b's q."""
     n, cols = x.shape
     for t in range(n):
-        amax = fk.amax(x[t])
-        st = np.float32(127.0) / amax if amax > 0 else np.float32(1.0)
-        s[t] = st
+        st = s[t] = _row_scale(x[t])
         for b in range(cols // BLOCK):
             qsum[t, b] = _quantize_block(x[t], b * BLOCK, st, q[t], b * BLOCK, rev)
+
+
+@njit(inline="always", cache=CACHE)
+def row_blocks(cols: int) -> int:
+    """Blocks of RB weights a row of `cols` takes (the last one padded)."""
+    return -(-cols // RB)
+
+
+@njit(inline="always", cache=CACHE)
+def quantize_rowscale(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndarray, rev: bool) -> None:
+    """quantize_rows for the codes of rows with one scale: on base-3 codes in natural column order, q [n,
+    row_blocks(cols) * RB] zero past the columns, qsum per RB-block (rev, the I2_S byte order, is gone there)."""
+    if not BASE3:
+        quantize_rows(x, q, s, qsum, rev)
+        return
+    n, cols = x.shape
+    for t in range(n):
+        st = s[t] = _row_scale(x[t])
+        for c in range(cols):
+            v = (x[t, c] * st + _ROUND) - _ROUND
+            q[t, c] = np.int8(min(max(v, np.float32(-128.0)), np.float32(127.0)))
+        for c in range(cols, q.shape[1]):
+            q[t, c] = 0
+        for b in range(qsum.shape[1]):
+            acc = np.int32(0)
+            for j in range(b * RB, (b + 1) * RB):
+                acc += np.int32(q[t, j])
+            qsum[t, b] = acc
+
+
+@njit(parallel=True, cache=CACHE)
+def pack_base3(blocks: np.ndarray, rev: bool, out: np.ndarray) -> None:
+    """out [rows, row_blocks(cols), 64] = the 2-bit codes `blocks` [rows, cols // BLOCK, 64] (byte order; rev: I2_S's)
+    packed five to a byte in base 3: byte l of block m is sum_s 3**s * c[320m + 64s + l], columns past the row's
+    code 1 (a zero weight; their activations are zero too)."""
+    rows, nb = blocks.shape[0], blocks.shape[1]
+    nb3 = out.shape[1]
+    for r in prange(rows):
+        c = np.empty(nb3 * RB, np.uint8)  # the row's codes in column order
+        for b in range(nb):
+            for f in range(4):
+                shift = 2 * (3 - f if rev else f)
+                for g in range(2):
+                    at = b * BLOCK + 128 * g + 32 * f
+                    for j in range(32):
+                        c[at + j] = (blocks[r, b, 32 * g + j] >> shift) & 3
+        for i in range(nb * BLOCK, nb3 * RB):
+            c[i] = 1
+        for m in range(nb3):
+            for j in range(64):
+                i = m * RB + j
+                out[r, m, j] = c[i] + 3 * c[i + 64] + 9 * c[i + 128] + 27 * c[i + 192] + 81 * c[i + 256]
 
 
 @njit(inline="always", cache=CACHE)
@@ -270,7 +344,7 @@ def column_blocks(nb: int, wide_bytes: int) -> int:
     """Blocks a WIDE pass takes at a time: its tokens' activations stay in L1. A wider row (6912 columns) runs
     as a few such parts over all of a task's rows in turn, adding up exact int32 sums; whole rows of 8 tokens
     (55 KB) had come from L2 in every pass: 450 G products/s against 650 at 2560 columns."""
-    parts = -(-(nb * BLOCK * WIDE) // wide_bytes)
+    parts = -(-(nb * RB * WIDE) // wide_bytes)
     return -(-nb // parts)
 
 
@@ -293,7 +367,7 @@ def rowscale_task(tasks: np.ndarray, task: int, nb: int, bstride: int, q: np.nda
         else:
             for b0 in range(0, nb, kb):
                 _row_sums(w0 + b0 * bstride, wstride, r0, r1, min(kb, nb - b0), bstride,
-                          q.ctypes.data + t0 * qstride + b0 * BLOCK, qstride, nt, isum, acc, b0 > 0)
+                          q.ctypes.data + t0 * qstride + b0 * RB, qstride, nt, isum, acc, b0 > 0)
         for i in range(nt):
             t = t0 + i
             o = out[n * first + t * height + r0:n * first + t * height + r1]
@@ -358,12 +432,12 @@ def bitlinear_row_rowscale(x: np.ndarray, tasks: np.ndarray, bstride: int, row_s
                            rev: bool, wide_bytes: int) -> np.ndarray:
     """"row" quantization, one weight scale per row: y, each array's [n, its rows] in turn (flat); column parts
     of at most wide_bytes of activations per WIDE pass (isa.wide_bytes)."""
-    n, cols = x.shape
-    q, s = int8_rows(n, cols), np.empty(n, np.float32)
-    qsum = np.empty((n, cols // BLOCK), np.int32)
-    quantize_rows(x, q, s, qsum, rev)
+    n, nb = x.shape[0], row_blocks(x.shape[1])
+    q, s = int8_rows(n, nb * RB), np.empty(n, np.float32)
+    qsum = np.empty((n, nb), np.int32)
+    quantize_rowscale(x, q, s, qsum, rev)
     out = np.empty(n * row_scale.shape[0], np.float32)
-    matmul_rowscale(tasks, cols // BLOCK, bstride, q, qsum, s, row_scale, out, wide_bytes)
+    matmul_rowscale(tasks, nb, bstride, q, qsum, s, row_scale, out, wide_bytes)
     return out
 
 

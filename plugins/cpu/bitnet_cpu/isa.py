@@ -5,6 +5,7 @@ What runs where:
 
 | level | inner loop | runs on (llvmlite's host features) |
 | --- | --- | --- |
+| avx512vbmi | avx512vnni's on base-3 codes, decoded by `vpermi2b` | avx512vnni's + avx512vbmi (Ice Lake, Zen 4) |
 | avx512vnni | 512-bit `vpdpbusd` | avx512f + avx512bw + avx512vnni (Ice Lake / Cascade Lake Xeons and later, Zen 4) |
 | avxvnni | 256-bit `vpdpbusd` | avxvnni (VEX; Alder Lake and later) or avx512vnni + avx512vl (EVEX) |
 | avx2 | `vpmaddubsw` + `vpmaddwd` | avx2 |
@@ -60,6 +61,7 @@ def host_levels() -> tuple[str, ...]:
         if flag[:1] in "+-" and flag[1:]:
             f[flag[1:]] = flag[0] == "+"
     has = {
+        "avx512vbmi": f.get("avx512f") and f.get("avx512bw") and f.get("avx512vnni") and f.get("avx512vbmi"),
         "avx512vnni": f.get("avx512f") and f.get("avx512bw") and f.get("avx512vnni"),
         "avxvnni": f.get("avxvnni") or (f.get("avx512vnni") and f.get("avx512vl")),
         "avx2": f.get("avx2"),
@@ -108,7 +110,7 @@ def choose(requested: str | None = None) -> str:
     level = _NAMES.get(raw)
     source = f"{_ENV}={raw}" if requested is None else f"CPU ISA level {raw!r}"
     if level is None:
-        raise UsageError(f"{source} is not a level; choose one of generic, avx2, avxvnni, avx512")
+        raise UsageError(f"{source} is not a level; choose one of generic, avx2, avxvnni, avx512, avx512vbmi")
     if level not in levels:
         raise UsageError(f"{source}: this CPU ({host_cpu_name()}) lacks {level}; it runs {', '.join(levels)}")
     return level

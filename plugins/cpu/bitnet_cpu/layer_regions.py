@@ -9,8 +9,8 @@ whole stack and hand the work on through atomic counters: no fork, join or Pytho
   two projections: 6-13 us before both threads were in (TBB's fork), 4 us in the join, 4-5 in Python around it.
 
 This file is the second half of the per-level template `int_kernels`: `isa.build` runs it in the same module,
-after int_kernels.py, so the names below that it does not define (the drivers `_row_sums`, `quantize_rows`,
-`int8_rows`, BLOCK, WIDE, CACHE, numba's `njit`/`prange`) are int_kernels'. It is not imported by name.
+after int_kernels.py, so the names below that it does not define (the drivers `_row_sums`, `quantize_rowscale`,
+`int8_rows`, `row_blocks`, RB, WIDE, CACHE, numba's `njit`/`prange`) are int_kernels'. It is not imported by name.
 """
 
 # ruff: noqa: F821  (the names int_kernels.py defines in the same module)
@@ -81,13 +81,14 @@ def _most_rows(a: np.ndarray, b: np.ndarray) -> int:
 @njit(inline="always", cache=CACHE)
 def _activations(n: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Room for n rows' quantized activations: codes, scales, block sums, their totals (float64, exact)."""
-    return int8_rows(n, cols), np.empty(n, np.float32), np.empty((n, cols // BLOCK), np.int32), np.empty(n, np.float64)
+    nb = row_blocks(cols)
+    return int8_rows(n, nb * RB), np.empty(n, np.float32), np.empty((n, nb), np.int32), np.empty(n, np.float64)
 
 
 @njit(inline="always", cache=CACHE)
 def _quantize(x: np.ndarray, rev: bool, q: np.ndarray, s: np.ndarray, qsum: np.ndarray, qtot: np.ndarray) -> None:
-    """quantize_rows into room from _activations, and each row's total of its block sums."""
-    quantize_rows(x, q, s, qsum, rev)
+    """quantize_rowscale into room from _activations, and each row's total of its block sums."""
+    quantize_rowscale(x, q, s, qsum, rev)
     row_totals(qsum, qtot)
 
 
@@ -191,7 +192,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
         if layer > 0:
             _wait_fetching(ctrl, c - per_layer + _PART * _LAYER_OUT, qkv_tasks[layer], part, n_parts, no_record)
         m[ph.QKV] = atomics.cycles()
-        ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], dim // BLOCK, qkv_bstride, qd,
+        ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], row_blocks(dim), qkv_bstride, qd,
                              qtotd, sd, qkv_scale[layer], qkv, kb_dim, isum, acc)
         m[ph.QKV_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _QKV_DONE, ran, len(qkv_tasks[layer])):
@@ -222,7 +223,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
         m[ph.ATTEND_SERIAL] = atomics.cycles()
         _wait_fetching(ctrl, c + _PART * _WO_IN, wo_tasks[layer], part, n_parts, no_record)
         m[ph.WO] = atomics.cycles()
-        ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], q_rows // BLOCK,
+        ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], row_blocks(q_rows),
                              wo_bstride, qo, qtoto, so, wo_scale[layer], attended, kb_q, isum, acc)
         m[ph.WO_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _WO_DONE, ran, len(wo_tasks[layer])):
@@ -233,7 +234,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
         m[ph.WO_SERIAL] = atomics.cycles()
         _wait_fetching(ctrl, c + _PART * _GU_IN, gu_tasks[layer], part, n_parts, no_record)
         m[ph.GATE_UP] = atomics.cycles()
-        ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], dim // BLOCK,
+        ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], row_blocks(dim),
                              gu_bstride, qd, qtotd, sd, gu_scale[layer], gu, kb_dim, isum, acc)
         m[ph.GATE_UP_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _GU_DONE, ran, len(gu_tasks[layer])):
@@ -245,7 +246,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
         m[ph.GATE_UP_SERIAL] = atomics.cycles()
         _wait_fetching(ctrl, c + _PART * _DOWN_IN, d_tasks[layer], part, n_parts, no_record)
         m[ph.DOWN] = atomics.cycles()
-        ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], hidden // BLOCK,
+        ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], row_blocks(hidden),
                              d_bstride, qf, qtotf, sf, d_scale[layer], down, kb_hidden, isum, acc)
         m[ph.DOWN_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _DOWN_DONE, ran, len(d_tasks[layer])):
@@ -304,8 +305,8 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
     f_normed = np.empty((n, hidden), np.float32) if has_ffn_sub else f
     qf, sf, qsumf, qtotf = _activations(n, hidden)
     down = np.empty(n * dim, np.float32)
-    kb_dim, kb_q = column_blocks(dim // BLOCK, wide_bytes), column_blocks(q_rows // BLOCK, wide_bytes)
-    kb_hidden = column_blocks(hidden // BLOCK, wide_bytes)
+    kb_dim, kb_q = column_blocks(row_blocks(dim), wide_bytes), column_blocks(row_blocks(q_rows), wide_bytes)
+    kb_hidden = column_blocks(row_blocks(hidden), wide_bytes)
     per_layer = _PART * (_SHARES + 4 * n_parts)
     ctrl = _counters(per_layer * n_layers)
     rows = max(_most_rows(qkv_tasks[0], wo_tasks[0]), _most_rows(gu_tasks[0], d_tasks[0]))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 from bitnet.errors import UsageError
+from bitnet.modelfile import huge_pages
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime import q8_cache
@@ -32,6 +33,7 @@ from . import attention as attn
 from . import float_kernels as fk
 from . import isa as isa_levels
 from . import kernel_cache, stack_phases, threading_layer, threads
+from .dot_ir import BASE3_BLOCK, BLOCK_BYTES
 
 # Byte -> its four 2-bit codes (low bits first) decoded to -1/0/+1. Each entry's four float32
 # are viewed as one complex128, so unpacking is a 1-D np.take (several times faster than
@@ -60,20 +62,23 @@ _LM_HEAD_CHUNK = 4
 @dataclass(frozen=True, eq=False)
 class PackedTernary:
     """Resident ternary projections stacked by rows: one, or several that read the same input (Q, K, V;
-    gate, up), which then run as one call. The codes stay where they are (TQ2_0 and I2_S in the mapped file)."""
+    gate, up), which then run as one call. The codes stay where they are (TQ2_0 and I2_S in the mapped file), or,
+    with a scale per row on a level whose codes are base 3 (see dot_ir), are packed into `base3` at upload."""
 
     blocks: tuple[np.ndarray, ...]  # per projection uint8 [rows, cols // 256, 64], possibly strided views
     scales: np.ndarray  # float32 [rows, cols // 256], all projections' rows (a view of row_scales when there are)
     row_scales: np.ndarray | None  # float32 [rows] when every block of a row shares its scale
     fields_reversed: bool  # I2_S byte order (see bitnet.modelfile.ternary)
     starts: tuple[int, ...]  # each projection's first row
-    tasks: np.ndarray  # int64 [tasks, 6]: the kernels' parallel tasks over `blocks` (see int_kernels)
+    tasks: np.ndarray  # int64 [tasks, 6]: the kernels' parallel tasks over `blocks`, or `base3` (see int_kernels)
     bstride: int  # bytes from one block of a row to the next, the same in every projection
+    base3: np.ndarray | None = None  # uint8 [rows, blocks of BASE3_BLOCK, 64]: every projection's codes in base 3
 
     @classmethod
-    def stack(cls, ws: list[TernaryMatrix]) -> PackedTernary | None:
+    def stack(cls, ws: list[TernaryMatrix], pack: Callable[..., None] | None = None) -> PackedTernary | None:
         """The projections stacked, or None when they cannot share a call: widths, byte orders or block
-        strides differ, or some have a scale per row and some not (the float path rounds those differently)."""
+        strides differ, or some have a scale per row and some not (the float path rounds those differently).
+        pack (int_kernels.pack_base3, on a base-3 level): a scale per row packs the codes in base 3."""
         blocks, row_scales = [w.blocks() for w in ws], [w.row_scales for w in ws]
         if len({(w.cols, w.fields_reversed, b.strides[1], r is None) for w, b, r in zip(ws, blocks, row_scales,
                                                                                        strict=True)}) != 1:
@@ -85,7 +90,14 @@ class PackedTernary:
         else:  # (no [rows, blocks] copy: for 2B-4T, 27 MB of fresh pages, 15 ms of load on the AMD EPYC)
             rows = np.concatenate(row_scales).astype(np.float32)
             scales = np.broadcast_to(rows[:, None], (len(rows), ws[0].cols // BLOCK))
-        return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
+        if pack is None or rows is None:
+            return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
+        base3 = huge_pages.anonymous((len(rows), -(-ws[0].cols // BASE3_BLOCK), BLOCK_BYTES))
+        for b, r0 in zip(blocks, starts, strict=True):
+            pack(b, ws[0].fields_reversed, base3[r0:r0 + len(b)])
+            release_pages(b)  # mapped codes read once: the float path ("none") alone reads them again
+        tasks = np.concatenate([_tasks(base3[r0:r0 + len(b)], r0) for b, r0 in zip(blocks, starts, strict=True)])
+        return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, BLOCK_BYTES, base3)
 
     @functools.cached_property
     def block_scales(self) -> np.ndarray:
@@ -217,6 +229,7 @@ class CpuProvider(ReferenceProvider):
         super().__init__(device, backend)
         self.isa = isa_levels.choose(isa)
         self._tk = isa_levels.kernels(self.isa)
+        self._pack = self._tk.pack_base3 if self._tk.BASE3 else None
         self.wide_bytes = isa_levels.wide_bytes()  # BitLinear's column parts (see int_kernels.matmul_rowscale)
         kernel_cache.runtime_ready(isa_levels.cache_dir(self.isa))
         # numba cannot start more threads than it was configured with at import (NUMBA_NUM_THREADS).
@@ -246,10 +259,10 @@ class CpuProvider(ReferenceProvider):
             _numba_threads.chunk = chunk
 
     def upload_ternary(self, w: TernaryMatrix) -> Any:
-        return PackedTernary.stack([w])
+        return PackedTernary.stack([w], self._pack)
 
     def upload_ternary_group(self, ws: list[TernaryMatrix]) -> Any:
-        return PackedTernary.stack(ws) or super().upload_ternary_group(ws)
+        return PackedTernary.stack(ws, self._pack) or super().upload_ternary_group(ws)
 
     def bitlinear_group(self, x: Any, group: Any, act_quant: str) -> tuple[Any, ...]:
         if isinstance(group, PackedTernary):
