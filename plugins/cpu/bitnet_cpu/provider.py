@@ -22,7 +22,6 @@ import numba
 import numpy as np
 
 from bitnet.errors import UsageError
-from bitnet.modelfile import huge_pages
 from bitnet.modelfile.model import release_pages
 from bitnet.modelfile.ternary import BLOCK, TernaryMatrix, zero_extend
 from bitnet.runtime import q8_cache
@@ -30,9 +29,9 @@ from bitnet.runtime.provider import ACTIVATIONS, LayerWeights, kv_array
 from bitnet.runtime.reference import KVCache, Q8Table, ReferenceProvider, check_act_quant, check_slots
 
 from . import attention as attn
+from . import base3_cache, kernel_cache, stack_phases, threading_layer, threads
 from . import float_kernels as fk
 from . import isa as isa_levels
-from . import kernel_cache, stack_phases, threading_layer, threads
 from .dot_ir import BASE3_BLOCK, BLOCK_BYTES
 
 # Byte -> its four 2-bit codes (low bits first) decoded to -1/0/+1. Each entry's four float32
@@ -92,10 +91,7 @@ class PackedTernary:
             scales = np.broadcast_to(rows[:, None], (len(rows), ws[0].cols // BLOCK))
         if pack is None or rows is None:
             return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
-        base3 = huge_pages.anonymous((len(rows), -(-ws[0].cols // BASE3_BLOCK), BLOCK_BYTES))
-        for b, r0 in zip(blocks, starts, strict=True):
-            pack(b, ws[0].fields_reversed, base3[r0:r0 + len(b)])
-            release_pages(b)  # mapped codes read once: the float path ("none") alone reads them again
+        base3 = base3_cache.packed(blocks, ws[0].fields_reversed, -(-ws[0].cols // BASE3_BLOCK), pack)
         tasks = np.concatenate([_tasks(base3[r0:r0 + len(b)], r0) for b, r0 in zip(blocks, starts, strict=True)])
         return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, BLOCK_BYTES, base3)
 
