@@ -92,6 +92,19 @@ def test_every_level_compiles_to_its_instructions(level: str, cpu: str | None, e
 _HINTS = {0: "prefetchnta", 1: "prefetcht2"}
 
 
+@pytest.mark.parametrize("tile, rows", [(1, 1), (2, 1), (dot_ir.TILE, 2), (dot_ir.WIDE, 2)])
+def test_the_base3_level_decodes_with_vbmi_lookups(tile: int, rows: int) -> None:
+    # Two 128-byte table lookups a table (trits 0-3, trit 4), then 512-bit vpdpbusd, as avx512vnni.
+    asm = dot_ir.assembly("avx512vbmi", None, tile, rows=rows)
+    assert _instructions(asm) == {"vpdpbusd zmm"}
+    assert re.search(r"\svperm[it]2b\s+.*zmm", asm)
+    assert not re.search(r"\svperm[it]2b\s", dot_ir.assembly("avx512vnni", None, tile, rows=rows))
+    # Per-block scales (TQ2_0's) sum 256-blocks, which 320-weight base-3 blocks do not fall on: that level's kernels
+    # take 2-bit codes there (int_kernels._PER_BLOCK_ISA), and the base-3 IR refuses.
+    with pytest.raises(ValueError, match="base-3 blocks"):
+        dot_ir.dot_module("avx512vbmi", dot_ir.TILE, per_block=True)
+
+
 def test_the_stream_hint_is_the_vendors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Intel fills L1 alone with prefetchnta, through a few fill buffers (a stream capped near 10 GB/s on an
     # Emerald Rapids core): there the hint fills L2. AMD keeps the non-temporal hint; so does an unknown vendor.
@@ -302,8 +315,9 @@ def test_an_edit_to_a_file_compiled_into_the_int_kernels_misses_their_cache(
 
 @pytest.mark.parametrize("level, tile, per_block, rows", [
     (level, *variant) for level in dot_ir.LEVELS
-    for variant in [(1, False, 1), (dot_ir.TILE, True, 1), (dot_ir.WIDE, False, 1)]
-    + ([(1, False, 4)] if level in ("avx512vnni", "avxvnni") else [])])  # (several rows a pass: VNNI's)
+    for variant in [(1, False, 1), (dot_ir.WIDE, False, 1)]
+    + ([(dot_ir.TILE, True, 1)] if level != "avx512vbmi" else [])  # (per-block sums: 2-bit codes, see below)
+    + ([(1, False, 4)] if level in dot_ir.VNNI else [])])  # (several rows a pass: VNNI's)
 def test_each_block_requests_the_lines_of_both_ends_of_its_codes(level: str, tile: int, per_block: bool,
                                                                   rows: int) -> None:
     # GGUF aligns a tensor to 32 bytes and TQ2_0's blocks are 66 apart: a block's 64 code bytes often span two lines,

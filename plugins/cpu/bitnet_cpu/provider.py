@@ -69,9 +69,19 @@ class PackedTernary:
     row_scales: np.ndarray | None  # float32 [rows] when every block of a row shares its scale
     fields_reversed: bool  # I2_S byte order (see bitnet.modelfile.ternary)
     starts: tuple[int, ...]  # each projection's first row
-    tasks: np.ndarray  # int64 [tasks, 6]: the kernels' parallel tasks over `blocks`, or `base3` (see int_kernels)
+    tasks: np.ndarray  # int64 [tasks, 6]: the kernels' parallel tasks over `blocks` (see int_kernels)
     bstride: int  # bytes from one block of a row to the next, the same in every projection
     base3: np.ndarray | None = None  # uint8 [rows, blocks of BASE3_BLOCK, 64]: every projection's codes in base 3
+    base3_tasks: np.ndarray | None = None  # the tasks over `base3`
+
+    @property
+    def row_tasks(self) -> np.ndarray:
+        """The tasks of the kernels of rows with one scale ("row" quantization): over base3 when there is one."""
+        return self.tasks if self.base3_tasks is None else self.base3_tasks
+
+    @property
+    def row_bstride(self) -> int:
+        return self.bstride if self.base3 is None else BLOCK_BYTES
 
     @classmethod
     def stack(cls, ws: list[TernaryMatrix], pack: Callable[..., None] | None = None) -> PackedTernary | None:
@@ -92,8 +102,9 @@ class PackedTernary:
         if pack is None or rows is None:
             return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
         base3 = base3_cache.packed(blocks, ws[0].fields_reversed, -(-ws[0].cols // BASE3_BLOCK), pack)
-        tasks = np.concatenate([_tasks(base3[r0:r0 + len(b)], r0) for b, r0 in zip(blocks, starts, strict=True)])
-        return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, BLOCK_BYTES, base3)
+        tasks3 = np.concatenate([_tasks(base3[r0:r0 + len(b)], r0) for b, r0 in zip(blocks, starts, strict=True)])
+        return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]), base3,
+                   tasks3)
 
     @functools.cached_property
     def block_scales(self) -> np.ndarray:
@@ -195,9 +206,9 @@ class _LayerStack:
         projections = []
         for name in ("qkv", "wo", "gate_up", "w_down"):
             ws = [getattr(w, name) for w in layers]
-            if len({(w.tasks.shape, w.bstride, w.fields_reversed) for w in ws}) != 1:
+            if len({(w.row_tasks.shape, w.row_bstride, w.fields_reversed) for w in ws}) != 1:
                 return None
-            projections.append((np.stack([w.tasks for w in ws]), ws[0].bstride,
+            projections.append((np.stack([w.row_tasks for w in ws]), ws[0].row_bstride,
                                 np.stack([w.row_scales for w in ws]).astype(np.float32), ws[0].fields_reversed))
 
         def norms(name: str) -> np.ndarray:
@@ -280,7 +291,8 @@ class CpuProvider(ReferenceProvider):
             y = self._tk.bitlinear_block256(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
         elif w.row_scales is not None:
             self.record("cpu.bitlinear_rowscale_row")
-            y = self._tk.bitlinear_row_rowscale(x, w.tasks, w.bstride, w.row_scales, w.fields_reversed, self.wide_bytes)
+            y = self._tk.bitlinear_row_rowscale(x, w.row_tasks, w.row_bstride, w.row_scales, w.fields_reversed,
+                                                self.wide_bytes)
         else:
             self.record("cpu.bitlinear_blockscale_row")
             y = self._tk.bitlinear_row_blockscale(x, w.tasks, w.bstride, w.block_scales, w.fields_reversed)
