@@ -98,15 +98,40 @@ def wide_bytes() -> int:
     return l1_data_bytes() * 2 // 3
 
 
+def base3_by_default(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the host takes avx512vbmi (base-3 codes) by default: an AMD Zen 5 or later (cpu family 26 and up),
+    whose four 512-bit pipes decode base 3 faster than memory brings it (a 2B-4T decode step 1.05-1.13x faster
+    than avx512vnni's on a Zen 5 EPYC). Zen 4 runs 512-bit operations in two halves and Intel's cores on two ports,
+    where the decoding may not keep up with memory: not measured there, so avx512vnni stays their default
+    (`benchmarks/packing_probe.py` measures it; BITNET_CPU_ISA=avx512vbmi takes it)."""
+    info: dict[str, str] = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+                if not key.strip():  # the first processor's block is enough
+                    break
+        return info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) >= 26
+    except (OSError, ValueError):
+        return False
+
+
+def default_level() -> str:
+    """The best level the host runs, but avx512vbmi only where `base3_by_default`."""
+    levels = host_levels()
+    return levels[1] if levels[0] == "avx512vbmi" and not base3_by_default() else levels[0]
+
+
 def choose(requested: str | None = None) -> str:
-    """The level to use: `requested`, else BITNET_CPU_ISA, else the best the host runs.
+    """The level to use: `requested`, else BITNET_CPU_ISA, else `default_level()`.
 
     Raises UsageError (exit 2) for an unknown name or a level this CPU lacks, naming what it has.
     """
     raw = (requested if requested is not None else os.environ.get(_ENV, "")).strip().lower()
     levels = host_levels()
     if not raw:
-        return levels[0]
+        return default_level()
     level = _NAMES.get(raw)
     source = f"{_ENV}={raw}" if requested is None else f"CPU ISA level {raw!r}"
     if level is None:

@@ -1,0 +1,171 @@
+"""The base-3 codes' disk cache (bitnet_cpu.base3_cache): a hit maps what a miss packed, any change to the file or
+to the entry is a miss that packs again, and a cache that cannot be written still packs.
+
+The cache is tested with a NumPy packer, the same function as int_kernels.pack_base3 (which runs on AVX-512 VBMI
+hosts only, and is checked against it there)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bitnet.modelfile import load_cache
+from bitnet.modelfile.ternary import reverse_fields, unpack_codes
+from bitnet_cpu import base3_cache, isa
+from bitnet_cpu.dot_ir import BASE3_BLOCK
+
+
+def ref_pack(blocks: np.ndarray, rev: bool, out: np.ndarray) -> None:
+    """out = blocks' 2-bit codes (byte order `rev`) in base 3: byte l of block m is sum_s 3**s c[320m + 64s + l]."""
+    rows, nb = blocks.shape[:2]
+    raw = np.ascontiguousarray(blocks).reshape(rows, nb * 64)
+    codes = np.ones((rows, out.shape[1] * BASE3_BLOCK), np.int64)  # code 1 (zero) past the row
+    codes[:, :nb * 256] = unpack_codes(reverse_fields(raw) if rev else raw) + 1
+    out[:] = (codes.reshape(rows, out.shape[1], 5, 64) * 3 ** np.arange(5)[:, None]).sum(2)
+
+
+def counted(calls: list[int]) -> Callable[[np.ndarray, bool, np.ndarray], None]:
+    def pack(blocks: np.ndarray, rev: bool, out: np.ndarray) -> None:
+        calls.append(len(blocks))
+        ref_pack(blocks, rev, out)
+
+    return pack
+
+
+def valid_codes(rng: np.random.Generator, n: int) -> np.ndarray:
+    c = rng.integers(0, 3, (n, 4)).astype(np.uint8)  # codes 0-2 in every field
+    return c[:, 0] | c[:, 1] << 2 | c[:, 2] << 4 | c[:, 3] << 6
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("BITNET_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(load_cache, "MIN_FILE_BYTES", 0)
+    return tmp_path / "cache"
+
+
+# Two projections of 3 blocks a row (768 columns: the last base-3 block padded) at two places in a file; the second
+# with TQ2_0's 66-byte block stride.
+ROWS, NB, NB3 = (5, 7), 3, -(-768 // BASE3_BLOCK)
+
+
+def write_model(path: Path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    path.write_bytes(valid_codes(rng, 4096 + ROWS[0] * NB * 64 + ROWS[1] * NB * 66).tobytes())
+
+
+def projections(path: Path) -> list[np.ndarray]:
+    data = np.memmap(path, np.uint8, mode="r")
+    a = data[4096:4096 + ROWS[0] * NB * 64].reshape(ROWS[0], NB, 64)
+    at = 4096 + ROWS[0] * NB * 64
+    b = data[at:at + ROWS[1] * NB * 66].reshape(ROWS[1], NB, 66)[:, :, :64]
+    return [a, b]
+
+
+def expected(blocks: list[np.ndarray], rev: bool) -> np.ndarray:
+    out = np.empty((sum(len(b) for b in blocks), NB3, 64), np.uint8)
+    r0 = 0
+    for b in blocks:
+        ref_pack(b, rev, out[r0:r0 + len(b)])
+        r0 += len(b)
+    return out
+
+
+@pytest.mark.parametrize("rev", [False, True])
+def test_a_miss_packs_and_the_next_load_maps_what_it_packed(cache: Path, tmp_path: Path, rev: bool) -> None:
+    write_model(tmp_path / "m.bin", 0)
+    calls: list[int] = []
+    first = base3_cache.packed(projections(tmp_path / "m.bin"), rev, NB3, counted(calls))
+    assert calls == list(ROWS) and not isinstance(first, np.memmap)
+    np.testing.assert_array_equal(first, expected(projections(tmp_path / "m.bin"), rev))
+    calls.clear()
+    again = base3_cache.packed(projections(tmp_path / "m.bin"), rev, NB3, counted(calls))
+    assert isinstance(again, np.memmap) and calls == [3, 3]  # only each projection's three checked rows
+    np.testing.assert_array_equal(again, first)
+    calls.clear()  # the other byte order is another entry's
+    base3_cache.packed(projections(tmp_path / "m.bin"), not rev, NB3, counted(calls))
+    assert calls == list(ROWS)
+
+
+def test_a_changed_file_is_a_miss(cache: Path, tmp_path: Path) -> None:
+    write_model(tmp_path / "m.bin", 0)
+    base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, ref_pack)
+    write_model(tmp_path / "m.bin", 1)  # new codes, same size and place
+    calls: list[int] = []
+    got = base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, counted(calls))
+    assert calls == list(ROWS)
+    np.testing.assert_array_equal(got, expected(projections(tmp_path / "m.bin"), False))
+
+
+def entry(cache: Path) -> Path:
+    (found,) = cache.glob("base3/*/*.bin")
+    return found
+
+
+def test_a_damaged_entry_is_a_miss_that_packs_again(cache: Path, tmp_path: Path) -> None:
+    write_model(tmp_path / "m.bin", 0)
+    want = base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, ref_pack).copy()
+    raw = bytearray(entry(cache).read_bytes())
+    raw[4096] ^= 1  # the first checked row's first code byte
+    entry(cache).write_bytes(bytes(raw))
+    calls: list[int] = []
+    got = base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, counted(calls))
+    assert calls[-2:] == list(ROWS) and not isinstance(got, np.memmap)
+    np.testing.assert_array_equal(got, want)
+    with open(entry(cache), "r+b") as f:  # truncated
+        f.truncate(4096 + 64)
+    calls.clear()
+    np.testing.assert_array_equal(base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, counted(calls)), want)
+    assert calls == list(ROWS)
+
+
+def test_an_unwritable_cache_still_packs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("BITNET_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(load_cache, "MIN_FILE_BYTES", 0)
+    write_model(tmp_path / "m.bin", 0)
+    got = base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, ref_pack)
+    np.testing.assert_array_equal(got, expected(projections(tmp_path / "m.bin"), False))
+
+
+def test_small_files_and_arrays_in_memory_are_not_cached(cache: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    write_model(tmp_path / "m.bin", 0)
+    in_memory = [np.array(b) for b in projections(tmp_path / "m.bin")]
+    np.testing.assert_array_equal(base3_cache.packed(in_memory, False, NB3, ref_pack), expected(in_memory, False))
+    monkeypatch.setattr(load_cache, "MIN_FILE_BYTES", os.path.getsize(tmp_path / "m.bin") + 1)
+    base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, ref_pack)
+    assert not list(cache.glob("base3/*/*.bin"))
+
+
+def test_the_entries_of_the_newest_files_are_kept(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base3_cache, "MAX_FILES", 2)
+    dirs = []
+    for i in range(3):
+        write_model(tmp_path / f"m{i}.bin", i)
+        before = set((cache / "base3").glob("*")) if i else set()
+        base3_cache.packed(projections(tmp_path / f"m{i}.bin"), False, NB3, ref_pack)
+        (new,) = set((cache / "base3").glob("*")) - before
+        os.utime(new, (i + 1, i + 1))  # written in that order, whatever the file system's clock resolution
+        dirs.append(new)
+    assert sorted((cache / "base3").glob("*")) == sorted(dirs[1:])
+    calls: list[int] = []
+    base3_cache.packed(projections(tmp_path / "m2.bin"), False, NB3, counted(calls))
+    assert calls == [3, 3]  # the newest is a hit
+
+
+@pytest.mark.skipif("avx512vbmi" not in isa.host_levels(), reason="this CPU lacks AVX-512 VBMI")
+@pytest.mark.parametrize("rev", [False, True])
+def test_the_kernels_pack_as_the_reference(tmp_path: Path, rev: bool) -> None:
+    write_model(tmp_path / "m.bin", 2)
+    pack = isa.kernels("avx512vbmi").pack_base3
+    for b in projections(tmp_path / "m.bin"):
+        got, want = np.empty((len(b), NB3, 64), np.uint8), np.empty((len(b), NB3, 64), np.uint8)
+        pack(b, rev, got)
+        ref_pack(b, rev, want)
+        np.testing.assert_array_equal(got, want)
