@@ -332,6 +332,14 @@ def decode_bytes(reader: Any, lm_head: str) -> tuple[int, int, str]:
     return sum(int(t.n_bytes) for t in _projections(reader)), head_bytes, fmt
 
 
+def base3_stack_bytes(reader: Any) -> int:
+    """Bytes of the layer stack's codes packed in base 3 (the avx512vbmi level: 64 bytes a 320 weights of a row,
+    rows padded), what our kernels read there in place of the file's codes."""
+    from bitnet_cpu.dot_ir import BASE3_BLOCK, BLOCK_BYTES
+
+    return sum(int(t.shape[1]) * -(-int(t.shape[0]) // BASE3_BLOCK) * BLOCK_BYTES for t in _projections(reader))
+
+
 def token_products(reader: Any) -> int:
     """The ternary products one token costs (every projection's rows x columns; the LM head, which prefill
     runs for one token only, not counted)."""
@@ -423,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
 
     reader = _open(args.model)  # (a 2B-4T file's header: 0.13-0.17 s a parse)
     stack_bytes, head_bytes, head_format = decode_bytes(reader, args.lm_head)
+    file_step_gb = (stack_bytes + head_bytes) / 1e9  # what llama.cpp and bitnet.cpp read
+    from bitnet_cpu import dot_ir, isa
+
+    level = isa.choose()  # ours (its rows with one scale, as I2_S's and those the writer makes, in base 3 or not)
+    if dot_ir.row_block(level) == dot_ir.BASE3_BLOCK:
+        stack_bytes = base3_stack_bytes(reader)
     step_gb = (stack_bytes + head_bytes) / 1e9
     if args.with_f16_head and head_format != "q8":
         ap.error(f"--with-f16-head compares the int8 head with the F16 one; our head here is {head_format}")
@@ -431,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     log = sys.stderr
     print(f"model {args.model} ({size_mb:.0f} MiB), llama.cpp on {llama_model}; prompt {args.prompt_tokens}, "
           f"decode {args.decode_tokens} tokens, {args.runs} runs, act_quant {args.act_quant}, "
-          f"our LM head {head_format}, KV cache {args.kv_type}; a decode step reads {step_gb:.2f} GB",
+          f"our LM head {head_format}, KV cache {args.kv_type}; a decode step reads {file_step_gb:.2f} GB of the "
+          f"file, {step_gb:.2f} GB at our level {level}",
           file=log, flush=True)
     jit = {}
     if not args.no_jit_probe:
@@ -480,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(head))
     for t in threads:
         for kind in engines:
-            limit = bandwidth[t] / (f16_step_gb if kind == "ours_f16" else step_gb)
+            limit = bandwidth[t] / (f16_step_gb if kind == "ours_f16" else step_gb if kind == "ours" else file_step_gb)
             dec = med(kind, t, "decode_tps")
             runs = [r["decode_tps"] for r in results[(kind, t)]]
             print(f"{t:>3} {names[kind]:<12}{dec:>11.2f}"

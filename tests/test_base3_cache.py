@@ -6,6 +6,7 @@ hosts only, and is checked against it there)."""
 
 from __future__ import annotations
 
+import marshal
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +46,14 @@ def valid_codes(rng: np.random.Generator, n: int) -> np.ndarray:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("BITNET_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(load_cache, "MIN_FILE_BYTES", 0)
+    new_process(monkeypatch)
     return tmp_path / "cache"
+
+
+def new_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a new process knows: no entry read, nothing packed."""
+    monkeypatch.setattr(base3_cache, "_entries", {})
+    monkeypatch.setattr(base3_cache, "_packed", {})
 
 
 # Two projections of 3 blocks a row (768 columns: the last base-3 block padded) at two places in a file; the second
@@ -66,60 +74,81 @@ def projections(path: Path) -> list[np.ndarray]:
     return [a, b]
 
 
-def expected(blocks: list[np.ndarray], rev: bool) -> np.ndarray:
-    out = np.empty((sum(len(b) for b in blocks), NB3, 64), np.uint8)
-    r0 = 0
-    for b in blocks:
-        ref_pack(b, rev, out[r0:r0 + len(b)])
-        r0 += len(b)
+def expected(blocks: list[np.ndarray], rev: bool) -> list[np.ndarray]:
+    out = [np.empty((len(b), NB3, 64), np.uint8) for b in blocks]
+    for b, o in zip(blocks, out, strict=True):
+        ref_pack(b, rev, o)
     return out
 
 
+def load(path: Path, rev: bool = False, calls: list[int] | None = None) -> tuple[np.ndarray, ...]:
+    """A load's packing of the file's two projections, and its flush once both are placed."""
+    got = base3_cache.packed(projections(path), rev, NB3, counted(calls if calls is not None else []))
+    base3_cache.flush()
+    return got
+
+
+def assert_packed(got: tuple[np.ndarray, ...], path: Path, rev: bool = False) -> None:
+    for g, want in zip(got, expected(projections(path), rev), strict=True):
+        np.testing.assert_array_equal(g, want)
+
+
 @pytest.mark.parametrize("rev", [False, True])
-def test_a_miss_packs_and_the_next_load_maps_what_it_packed(cache: Path, tmp_path: Path, rev: bool) -> None:
+def test_a_miss_packs_and_the_next_load_maps_what_it_packed(cache: Path, tmp_path: Path, rev: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     write_model(tmp_path / "m.bin", 0)
     calls: list[int] = []
-    first = base3_cache.packed(projections(tmp_path / "m.bin"), rev, NB3, counted(calls))
-    assert calls == list(ROWS) and not isinstance(first, np.memmap)
-    np.testing.assert_array_equal(first, expected(projections(tmp_path / "m.bin"), rev))
+    got = base3_cache.packed(projections(tmp_path / "m.bin"), rev, NB3, counted(calls))
+    assert calls == list(ROWS) and not list(cache.glob("base3/*.bin"))  # written once the load placed everything
+    base3_cache.flush()
+    assert len(list(cache.glob("base3/*.bin"))) == 1
+    assert_packed(got, tmp_path / "m.bin", rev)
+    new_process(monkeypatch)
     calls.clear()
-    again = base3_cache.packed(projections(tmp_path / "m.bin"), rev, NB3, counted(calls))
-    assert isinstance(again, np.memmap) and calls == [3, 3]  # only each projection's three checked rows
-    np.testing.assert_array_equal(again, first)
-    calls.clear()  # the other byte order is another entry's
-    base3_cache.packed(projections(tmp_path / "m.bin"), not rev, NB3, counted(calls))
+    again = load(tmp_path / "m.bin", rev, calls)
+    assert calls == [1, 1] and all(isinstance(g, np.memmap) for g in again)  # one row of each checked
+    assert_packed(again, tmp_path / "m.bin", rev)
+    new_process(monkeypatch)
+    calls.clear()  # the other byte order is other codes: packed, and the entry then holds both
+    load(tmp_path / "m.bin", not rev, calls)
     assert calls == list(ROWS)
+    new_process(monkeypatch)
+    calls.clear()
+    for order in (rev, not rev):
+        assert_packed(load(tmp_path / "m.bin", order, calls), tmp_path / "m.bin", order)
+    assert calls == [1, 1, 1, 1]
 
 
-def test_a_changed_file_is_a_miss(cache: Path, tmp_path: Path) -> None:
+def test_a_changed_file_is_a_miss(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_model(tmp_path / "m.bin", 0)
-    base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, ref_pack)
+    load(tmp_path / "m.bin")
     write_model(tmp_path / "m.bin", 1)  # new codes, same size and place
+    new_process(monkeypatch)
     calls: list[int] = []
-    got = base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, counted(calls))
+    assert_packed(load(tmp_path / "m.bin", calls=calls), tmp_path / "m.bin")
     assert calls == list(ROWS)
-    np.testing.assert_array_equal(got, expected(projections(tmp_path / "m.bin"), False))
 
 
-def entry(cache: Path) -> Path:
-    (found,) = cache.glob("base3/*/*.bin")
-    return found
-
-
-def test_a_damaged_entry_is_a_miss_that_packs_again(cache: Path, tmp_path: Path) -> None:
+def test_a_damaged_entry_is_a_miss_that_packs_again(cache: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     write_model(tmp_path / "m.bin", 0)
-    want = base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, ref_pack).copy()
-    raw = bytearray(entry(cache).read_bytes())
-    raw[4096] ^= 1  # the first checked row's first code byte
-    entry(cache).write_bytes(bytes(raw))
+    load(tmp_path / "m.bin")
+    (entry,) = cache.glob("base3/*.bin")
+    raw = bytearray(entry.read_bytes())
+    size = int.from_bytes(raw[5:13], "little")  # magic, the index's length, the key and the index
+    first = min(at for at, _ in marshal.loads(raw[13:13 + size])[1].values())
+    raw[first + (ROWS[0] // 2) * NB3 * 64] ^= 1  # the first projection's checked row
+    entry.write_bytes(bytes(raw))
+    new_process(monkeypatch)
     calls: list[int] = []
-    got = base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, counted(calls))
-    assert calls[-2:] == list(ROWS) and not isinstance(got, np.memmap)
-    np.testing.assert_array_equal(got, want)
-    with open(entry(cache), "r+b") as f:  # truncated
-        f.truncate(4096 + 64)
+    got = load(tmp_path / "m.bin", calls=calls)
+    assert calls == [1, ROWS[0], 1]  # the first projection packed again, the second mapped
+    assert_packed(got, tmp_path / "m.bin")
+    with open(entry, "r+b") as f:  # truncated
+        f.truncate(first + 64)
+    new_process(monkeypatch)
     calls.clear()
-    np.testing.assert_array_equal(base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, counted(calls)), want)
+    assert_packed(load(tmp_path / "m.bin", calls=calls), tmp_path / "m.bin")
     assert calls == list(ROWS)
 
 
@@ -128,35 +157,35 @@ def test_an_unwritable_cache_still_packs(tmp_path: Path, monkeypatch: pytest.Mon
     blocker.write_text("")
     monkeypatch.setenv("BITNET_CACHE_DIR", str(blocker))
     monkeypatch.setattr(load_cache, "MIN_FILE_BYTES", 0)
+    new_process(monkeypatch)
     write_model(tmp_path / "m.bin", 0)
-    got = base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, ref_pack)
-    np.testing.assert_array_equal(got, expected(projections(tmp_path / "m.bin"), False))
+    assert_packed(load(tmp_path / "m.bin"), tmp_path / "m.bin")
 
 
 def test_small_files_and_arrays_in_memory_are_not_cached(cache: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     write_model(tmp_path / "m.bin", 0)
     in_memory = [np.array(b) for b in projections(tmp_path / "m.bin")]
-    np.testing.assert_array_equal(base3_cache.packed(in_memory, False, NB3, ref_pack), expected(in_memory, False))
+    for g, want in zip(base3_cache.packed(in_memory, False, NB3, ref_pack), expected(in_memory, False), strict=True):
+        np.testing.assert_array_equal(g, want)
     monkeypatch.setattr(load_cache, "MIN_FILE_BYTES", os.path.getsize(tmp_path / "m.bin") + 1)
-    base3_cache.packed(projections(tmp_path / "m.bin"), False, NB3, ref_pack)
-    assert not list(cache.glob("base3/*/*.bin"))
+    load(tmp_path / "m.bin")
+    assert not list(cache.glob("base3/*.bin"))
 
 
 def test_the_entries_of_the_newest_files_are_kept(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(base3_cache, "MAX_FILES", 2)
-    dirs = []
+    entries = []
     for i in range(3):
         write_model(tmp_path / f"m{i}.bin", i)
-        before = set((cache / "base3").glob("*")) if i else set()
-        base3_cache.packed(projections(tmp_path / f"m{i}.bin"), False, NB3, ref_pack)
-        (new,) = set((cache / "base3").glob("*")) - before
-        os.utime(new, (i + 1, i + 1))  # written in that order, whatever the file system's clock resolution
-        dirs.append(new)
-    assert sorted((cache / "base3").glob("*")) == sorted(dirs[1:])
+        load(tmp_path / f"m{i}.bin")
+        entries.append(base3_cache._entry_file(str(tmp_path / f"m{i}.bin")))
+        os.utime(entries[-1], (i + 1, i + 1))  # written in that order, whatever the file system's clock resolution
+    assert sorted(cache.glob("base3/*.bin")) == sorted(entries[1:])
+    new_process(monkeypatch)
     calls: list[int] = []
-    base3_cache.packed(projections(tmp_path / "m2.bin"), False, NB3, counted(calls))
-    assert calls == [3, 3]  # the newest is a hit
+    load(tmp_path / "m2.bin", calls=calls)
+    assert calls == [1, 1]  # the newest is a hit
 
 
 @pytest.mark.skipif("avx512vbmi" not in isa.host_levels(), reason="this CPU lacks AVX-512 VBMI")

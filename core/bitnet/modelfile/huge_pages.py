@@ -108,16 +108,3 @@ def _huge_pages_allowed() -> bool:
     except OSError:
         return False
 
-
-def anonymous(shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
-    """An empty array of memory of its own, advised into 2 MB pages as `advise` does for a mapped file (where
-    transparent huge pages are "madvise", as on most distributions, memory gets none without being asked): for
-    weights a kernel streams, kept in another form than the file's."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    mapping = mmap.mmap(-1, max(nbytes, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except (OSError, ValueError):
-            pass
-    return np.frombuffer(mapping, dtype, count=nbytes // np.dtype(dtype).itemsize).reshape(shape)

@@ -441,7 +441,8 @@ def release_pages(a: np.ndarray) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def map_pages(model: Model, float_head: bool = True, also: Sequence[np.ndarray] = ()) -> threading.Thread:
+def map_pages(model: Model, float_head: bool = True, also: Sequence[np.ndarray] = (),
+              codes: bool = True) -> threading.Thread:
     """Fault in the file pages of every tensor the model uses in place, and of the mapped arrays in `also`
     (an int8 LM head mapped from its cache), on a thread of its own: one NumPy read per 4 KB page, without
     the GIL. Join it before the first forward pass.
@@ -450,11 +451,13 @@ def map_pages(model: Model, float_head: bool = True, also: Sequence[np.ndarray] 
     (~0.08 s of one core for 1.1 GB) would land in the first token. (llama.cpp maps its file with
     MAP_POPULATE at load.) Beside the tokenizer's build they cost no time. Without `float_head` (the
     int8 head runs) the embedding tables are left alone: a token reads one row, and a 2B-4T F16 table
-    is 657 MB that would stay resident beside the int8 copy.
+    is 657 MB that would stay resident beside the int8 copy. Without `codes` (the provider reads codes of its own,
+    in `also`) the projections' are left alone too.
     """
     spans: dict[int, tuple[np.memmap, list[tuple[int, int]]]] = {}  # per mapped file: byte ranges
     tables = [model.token_embd, model.output] if float_head else []
-    arrays = [*tables, *(getattr(layer, field).codes for layer in model.layers for field, _ in _PROJECTIONS), *also]
+    projections = [getattr(layer, field).codes for layer in model.layers for field, _ in _PROJECTIONS] if codes else []
+    arrays = [*tables, *projections, *also]
     for a in arrays:
         span = mapped_span(a) if isinstance(a, np.ndarray) else None
         if span is not None:

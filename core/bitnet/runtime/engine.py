@@ -115,7 +115,12 @@ def load(path: str | os.PathLike[str] | None = None, device: str | None = None, 
         # built here has released the float table's pages, which the thread leaves alone, before it starts.
         transformer = Transformer(model, provider, n_ctx, act_quant, n_seqs, head, kv_type)
         int8_head = getattr(transformer.lm_head, "q", None)
-        pages = map_pages(model, head == "f16", [int8_head] if isinstance(int8_head, np.ndarray) else [])
+        own = [getattr(getattr(layer, name), "own_codes", None) for layer in transformer.layers
+               for name in ("qkv", "wo", "gate_up", "w_down")]
+        codes = not own or any(o is None for o in own)  # (see KernelProvider.upload_ternary)
+        also = [a for o in own if o is not None for a in o] if not codes else []
+        also += [int8_head] if isinstance(int8_head, np.ndarray) else []
+        pages = map_pages(model, head == "f16", also, codes)
         tokenizer = Tokenizer.from_metadata(model.metadata)
         template = templates.choose(model.metadata, tokenizer.has_token, chat_template)
         pages.join()

@@ -127,13 +127,20 @@ class KernelProvider(ABC):
 
     # -- memory: host NumPy arrays unless overridden ----------------------------------------------
     def upload_ternary(self, w: TernaryMatrix) -> Any:
-        """Make a ternary projection resident; repack to the device's layout here, once."""
+        """Make a ternary projection resident; repack to the device's layout here, once. A handle that reads
+        codes of its own in place of the file's says so with an `own_codes` attribute (the memory-mapped arrays
+        it reads, or none): the engine then faults those in at load instead of the file's codes."""
         return w
 
     def upload_ternary_group(self, ws: list[TernaryMatrix]) -> Any:
         """Make projections that read the same input resident as one group (Q, K, V; gate, up), for
         `bitlinear_group`. Override both to run a group in one dispatch."""
         return [self.upload_ternary(w) for w in ws]
+
+    def uploaded(self) -> None:
+        """Every weight of a model is resident (the transformer calls this once it placed them): a provider that
+        keeps what it built from them for the next load (a cache on disk) may write it now."""
+        return None
 
     def upload_float(self, a: np.ndarray) -> Any:
         """Make a float tensor resident (norm weights F32; embedding / LM head F16 or F32)."""

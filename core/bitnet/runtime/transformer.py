@@ -85,6 +85,7 @@ class Transformer:
                                    if f.name in groups else upload(getattr(lw, f.name)) for f in fields(LayerWeights)})
 
         self.layers = [layer(lw) for lw in model.layers]
+        p.uploaded()
         self.cache = kv_cache_for(p, cfg.n_layers, n_ctx, cfg.n_kv_heads, cfg.head_dim, n_seqs, kv_type)
         self.n_seqs = n_seqs
         self.filled = [0] * n_seqs  # positions 0..filled[s]-1 of slot s hold valid K and V

@@ -1,18 +1,19 @@
 """The base-3 codes of a model file's projections, kept on disk so that the next load maps them instead of packing.
 
 The avx512vbmi level reads ternary codes packed five to a byte (`int_kernels.pack_base3`), a pure function of the
-file's 2-bit codes. Packing the 0.52 GB of 2B-4T's codes took 0.36 s on 2 threads of a Zen 5 EPYC, against 0.19 s
-for the rest of a load; mapped from here, the packed codes come in as the first token reads them, as the file's
-would.
+file's 2-bit codes. Packing the 0.52 GB of 2B-4T's codes took 0.36 s on 2 threads of a Zen 5 EPYC, against 0.25 s
+for the rest of a load. A load that packs keeps what it packed (`packed`); once every weight is placed (`flush`),
+the file's codes go to disk as one entry, which the next load maps: one file, one mapping, its codes 2 MB into it,
+so that a file system caching it in 2 MB folios maps them in 2 MB pages (one entry per projection stack, in 4 KB
+pages, had cost a load 0.1 s more than the file's own codes).
 
-An entry holds one stack of projections (Q, K and V; gate and up; or one alone) of one file, keyed by the file's
-identity (`load_cache.identity`: device, inode, size, mtime, ctime, so any write or replacement of the file is a
-miss), each projection's byte range, shape and strides in it, their byte order, and a stamp of the code that
-packs. A hit is also checked against its source: three rows of each projection are packed again and must match the
-entry to the bit, so a stale or damaged entry is a miss that packs again, not wrong weights. A file's entries share a
-directory; the directories of at most MAX_FILES files are kept, the oldest go first. Entries are written to a
-temporary file and renamed into place (concurrent loads never see half of one). Only files the load cache takes
-(load_cache.MIN_FILE_BYTES) are cached; a failure to write is ignored.
+An entry belongs to one file: its identity (`load_cache.identity`: device, inode, size, mtime, ctime, so any write or
+replacement of the file is a miss) and a stamp of the code that packs; inside it, each projection's codes are keyed
+by its byte range, shape and strides in the file, its byte order and its blocks. A hit is also checked against its
+source: one row of each projection, read from the file, is packed again and must match the entry to the bit, so a
+stale or damaged entry is a miss that packs again, not wrong weights. Entries are written to a temporary file and
+renamed into place (concurrent loads never see half of one); at most MAX_FILES are kept, the oldest go first. Only
+files the load cache takes (load_cache.MIN_FILE_BYTES) are cached; a failure to write is ignored.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import marshal
 import os
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -32,105 +32,134 @@ from bitnet.modelfile.model import mapped_span, release_pages
 from bitnet.plugins.types import cache_dir
 
 MAX_FILES = 4  # model files whose entries are kept (~0.42 GB for 2B-4T)
-_MAX_ENTRIES = 4096  # entries of one file (2B-4T has 120 stacks)
-_MAGIC = b"BNB3\x01"
-_HEADER = 4096  # the header's room: the codes start page-aligned after it
+_MAGIC = b"BNB3\x02"
+_CODES_AT = 2 << 20  # where an entry's codes start: a 2 MB page's worth of header room (a hole on disk)
 _BYTES = 64  # a block's bytes
 
 Pack = Callable[[np.ndarray, bool, np.ndarray], None]
+_entries: dict[str, tuple[tuple, dict, np.ndarray] | None] = {}  # per file path: its entry's key, index, codes
+_packed: dict[str, tuple[tuple, dict[tuple, np.ndarray]]] = {}  # per file path: what this process packed
 
 
-def packed(blocks: Sequence[np.ndarray], rev: bool, n_blocks: int, pack: Pack) -> np.ndarray:
-    """uint8 [rows, n_blocks, 64]: each projection's 2-bit codes `blocks` [its rows, blocks, 64] (byte order `rev`)
-    packed by `pack` (int_kernels.pack_base3), stacked; or the entry a previous load of the same file left."""
-    rows = sum(len(b) for b in blocks)
-    key = _key(blocks, rev, n_blocks)
-    entry = _entry_file(key) if key is not None else None
-    if entry is not None:
-        found = _read(entry, key, blocks, rev, pack, (rows, n_blocks, _BYTES))
-        if found is not None:
-            return found
-    out = huge_pages.anonymous((rows, n_blocks, _BYTES))
-    r0 = 0
-    for b in blocks:
-        pack(b, rev, out[r0:r0 + len(b)])
-        release_pages(b)  # mapped codes read once: only the float path ("none") reads them again
-        r0 += len(b)
-    if entry is not None:
-        _write(entry, key, out)
-    return out
+def packed(blocks: Sequence[np.ndarray], rev: bool, n_blocks: int, pack: Pack) -> tuple[np.ndarray, ...]:
+    """uint8 [rows, n_blocks, 64] per projection: its 2-bit codes `blocks` [rows, blocks, 64] (byte order `rev`)
+    packed by `pack` (int_kernels.pack_base3), or mapped from the entry a previous load of the same file left."""
+    return tuple(_one(b, rev, n_blocks, pack) for b in blocks)
+
+
+def flush() -> None:
+    """Write an entry for each file whose codes this process packed (with what its entry held already)."""
+    while _packed:
+        path, (key, fresh) = _packed.popitem()
+        held = _entries.pop(path, None)
+        parts = {}
+        if held is not None and held[0] == key:
+            parts = {k: held[2][at:at + int(np.prod(shape))].reshape(shape) for k, (at, shape) in held[1].items()}
+        parts.update(fresh)
+        index, at = {}, _CODES_AT
+        for k, codes in parts.items():
+            index[k] = (at, codes.shape)
+            at += codes.nbytes
+        _write(path, key, index, parts)
 
 
 def directory() -> Path:
     return cache_dir() / "base3"
 
 
-def _key(blocks: Sequence[np.ndarray], rev: bool, n_blocks: int) -> tuple | None:
-    spans = [mapped_span(b) if b.size else None for b in blocks]
-    if any(s is None or s[0].filename is None for s in spans):
-        return None
-    paths = {os.path.abspath(s[0].filename) for s in spans}
-    if len(paths) != 1:
-        return None
-    path = paths.pop()
-    ident = load_cache.identity(path)
-    if ident is None:
-        return None
-    where = tuple((int(s[0].offset) + s[1], b.shape, b.strides) for s, b in zip(spans, blocks, strict=True))
-    return (_stamp(), path, ident, where, bool(rev), n_blocks)
-
-
-def _entry_file(key: tuple) -> Path:
-    def name(text: str) -> str:
-        return hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
-
-    path, where = key[1], key[3]
-    return directory() / name(path) / f"{name(repr(where))}.bin"
-
-
-def _read(entry: Path, key: tuple, blocks: Sequence[np.ndarray], rev: bool, pack: Pack,
-          shape: tuple[int, int, int]) -> np.ndarray | None:
-    """The entry's codes if it is this key's and agrees with the rows it is checked on, else None."""
-    try:
-        with open(entry, "rb") as f:
-            header = f.read(_HEADER)
-            size = os.fstat(f.fileno()).st_size
-        if header[:len(_MAGIC)] != _MAGIC or marshal.loads(header[len(_MAGIC):]) != key:
-            return None
-        if size != _HEADER + int(np.prod(shape)):
-            return None
-        # Copy-on-write: a writable array (the kernels' compiled signature) that never writes the file.
-        codes = np.memmap(entry, np.uint8, mode="c", offset=_HEADER, shape=shape)
-        huge_pages.advise(codes)
-    except Exception:  # missing, unreadable, truncated or another format: a miss, never an error
-        return None
-    r0 = 0
-    for b in blocks:
-        rows = np.unique(np.array([0, len(b) // 2, len(b) - 1], np.intp))
-        again = np.empty((len(rows), shape[1], _BYTES), np.uint8)
-        pack(np.ascontiguousarray(b[rows]), rev, again)
-        if not np.array_equal(again, codes[r0 + rows]):
-            return None
-        r0 += len(b)
+def _one(b: np.ndarray, rev: bool, n_blocks: int, pack: Pack) -> np.ndarray:
+    span = mapped_span(b) if b.size else None
+    ident = load_cache.identity(span[0].filename) if span is not None and span[0].filename else None
+    if span is None or ident is None:
+        return _pack(b, rev, n_blocks, pack)
+    path = os.path.abspath(span[0].filename)
+    key = (_stamp(), path, ident)
+    where = (int(span[0].offset) + span[1], b.shape, b.strides, bool(rev), n_blocks)
+    found = _lookup(path, key, where, b, rev, pack)
+    if found is not None:
+        # Pages of the file's codes the load mapped (reading I2_S's scale after them maps a 2 MB page a tensor):
+        # the codes are read from the entry now.
+        release_pages(b)
+        return found
+    codes = _pack(b, rev, n_blocks, pack)
+    if _packed.get(path, (key,))[0] != key:  # the file changed during this process: its new codes only
+        _packed.pop(path)
+    _packed.setdefault(path, (key, {}))[1][where] = codes
     return codes
 
 
-def _write(entry: Path, key: tuple, codes: np.ndarray) -> None:
+def _pack(b: np.ndarray, rev: bool, n_blocks: int, pack: Pack) -> np.ndarray:
+    out = np.empty((len(b), n_blocks, _BYTES), np.uint8)  # (NumPy asks for 2 MB pages from 4 MB on)
+    pack(b, rev, out)
+    release_pages(b)  # mapped codes read once: only the float path ("none") reads them again
+    return out
+
+
+def _entry_file(path: str) -> Path:
+    return directory() / (hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+                          + ".bin")
+
+
+def _lookup(path: str, key: tuple, where: tuple, b: np.ndarray, rev: bool, pack: Pack) -> np.ndarray | None:
+    """The projection's codes from the file's entry, if it holds them and they agree with the row checked."""
+    if path not in _entries or (_entries[path] is not None and _entries[path][0] != key):
+        _entries[path] = _read(_entry_file(path), key)
+    entry = _entries[path]
+    if entry is None or where not in entry[1]:
+        return None
+    at, shape = entry[1][where]
+    codes = entry[2][at:at + int(np.prod(shape))].reshape(shape)
+    row = len(b) // 2
+    again = np.empty((1, *shape[1:]), np.uint8)
+    pack(_file_row(b, row), rev, again)
+    return codes if np.array_equal(again[0], codes[row]) else None
+
+
+def _read(entry: Path, key: tuple) -> tuple[tuple, dict, np.ndarray] | None:
     try:
-        header = _MAGIC + marshal.dumps(key)
-        if len(header) > _HEADER:
+        with open(entry, "rb") as f:
+            head = f.read(len(_MAGIC) + 8)
+            size = int.from_bytes(head[len(_MAGIC):], "little")
+            if head[:len(_MAGIC)] != _MAGIC or size > _CODES_AT:
+                return None
+            stored, index = marshal.loads(f.read(size))
+            end = os.fstat(f.fileno()).st_size
+        if stored != key or any(at + int(np.prod(shape)) > end for at, shape in index.values()):
+            return None
+        # Copy-on-write: writable arrays (the kernels' compiled signature) that never write the file.
+        codes = np.memmap(entry, np.uint8, mode="c")
+        huge_pages.advise(codes)
+        return key, index, codes
+    except Exception:  # missing, unreadable, truncated or another format: a miss, never an error
+        return None
+
+
+def _file_row(b: np.ndarray, row: int) -> np.ndarray:
+    """Row `row` of the mapped blocks b [rows, blocks, 64], read from its file, not through the mapping: each page
+    read through it would stay mapped (in 2 MB pages, all of 2B-4T's codes for a row of each projection)."""
+    base, lo, _ = mapped_span(b)
+    start = int(base.offset) + lo + row * b.strides[0]
+    with open(base.filename, "rb") as f:
+        f.seek(start)
+        raw = np.frombuffer(f.read((b.shape[1] - 1) * b.strides[1] + _BYTES), np.uint8)
+    return np.lib.stride_tricks.as_strided(raw, (1, b.shape[1], _BYTES), (0, b.strides[1], 1)).copy()
+
+
+def _write(path: str, key: tuple, index: dict, parts: dict[tuple, np.ndarray]) -> None:
+    try:
+        body = marshal.dumps((key, index))
+        if len(_MAGIC) + 8 + len(body) > _CODES_AT:
             return
 
         def fill(f: BinaryIO) -> None:
-            f.write(header.ljust(_HEADER, b"\0"))
-            codes.tofile(f)
+            f.write(_MAGIC + len(body).to_bytes(8, "little") + body)
+            for k, (at, _) in sorted(index.items(), key=lambda item: item[1][0]):
+                f.seek(at)
+                np.ascontiguousarray(parts[k]).tofile(f)
 
-        load_cache.write_entry(entry, fill, _MAX_ENTRIES)
+        entry = _entry_file(path)
+        load_cache.write_entry(entry, fill, MAX_FILES)
         huge_pages.drop(entry)  # cached in the 4 KB folios of its writes: the next load reads it in 2 MB ones
-        files = sorted((d for d in directory().iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime_ns)
-        for old in files[:max(0, len(files) - MAX_FILES)]:
-            if old != entry.parent:
-                shutil.rmtree(old, ignore_errors=True)
     except OSError:  # an unwritable or full cache: the next load packs again
         pass
 

@@ -71,8 +71,13 @@ class PackedTernary:
     starts: tuple[int, ...]  # each projection's first row
     tasks: np.ndarray  # int64 [tasks, 6]: the kernels' parallel tasks over `blocks` (see int_kernels)
     bstride: int  # bytes from one block of a row to the next, the same in every projection
-    base3: np.ndarray | None = None  # uint8 [rows, blocks of BASE3_BLOCK, 64]: every projection's codes in base 3
+    base3: tuple[np.ndarray, ...] | None = None  # each projection's codes in base 3, [its rows, BASE3_BLOCK blocks, 64]
     base3_tasks: np.ndarray | None = None  # the tasks over `base3`
+
+    @property
+    def own_codes(self) -> tuple[np.ndarray, ...] | None:
+        """The codes read in place of the file's (see KernelProvider.upload_ternary): base3, when there is one."""
+        return self.base3
 
     @property
     def row_tasks(self) -> np.ndarray:
@@ -102,7 +107,7 @@ class PackedTernary:
         if pack is None or rows is None:
             return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]))
         base3 = base3_cache.packed(blocks, ws[0].fields_reversed, -(-ws[0].cols // BASE3_BLOCK), pack)
-        tasks3 = np.concatenate([_tasks(base3[r0:r0 + len(b)], r0) for b, r0 in zip(blocks, starts, strict=True)])
+        tasks3 = np.concatenate([_tasks(c, r0) for c, r0 in zip(base3, starts, strict=True)])
         return cls(tuple(blocks), scales, rows, ws[0].fields_reversed, starts, tasks, int(blocks[0].strides[1]), base3,
                    tasks3)
 
@@ -270,6 +275,9 @@ class CpuProvider(ReferenceProvider):
 
     def upload_ternary_group(self, ws: list[TernaryMatrix]) -> Any:
         return PackedTernary.stack(ws, self._pack) or super().upload_ternary_group(ws)
+
+    def uploaded(self) -> None:
+        base3_cache.flush()
 
     def bitlinear_group(self, x: Any, group: Any, act_quant: str) -> tuple[Any, ...]:
         if isinstance(group, PackedTernary):
