@@ -189,6 +189,36 @@ def test_the_entries_of_the_newest_files_are_kept(cache: Path, tmp_path: Path, m
 
 
 @pytest.mark.skipif("avx512vbmi" not in isa.host_levels(), reason="this CPU lacks AVX-512 VBMI")
+@pytest.mark.parametrize("level", ["avx512vbmi", "avx512vnni"])
+def test_a_load_maps_the_codes_its_level_reads(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               level: str) -> None:
+    # The base-3 level reads its own codes (from this cache from the second load on): the engine faults those in,
+    # not the file's; the 2-bit levels read the file's.
+    from bitnet.modelfile import model as model_module
+    from bitnet.modelfile.writer import SyntheticSpec, write_model
+    from bitnet.runtime.engine import load
+
+    path = tmp_path / "m.gguf"
+    write_model(path, SyntheticSpec(weight_type="i2_s", dim=512, ffn_dim=768, n_heads=4, n_kv_heads=4,
+                                    vocab_size=512))
+    seen: list[tuple] = []
+    original = model_module.map_pages
+    monkeypatch.setattr(model_module, "map_pages", lambda *a: seen.append(a) or original(*a))
+    monkeypatch.setenv("BITNET_CPU_ISA", level)
+    for _ in range(2):
+        new_process(monkeypatch)
+        engine = load(str(path), device="cpu")
+        engine.close()
+    (_, _, first_also, first_codes), (_, _, also, codes) = seen
+    if level == "avx512vnni":
+        assert first_codes and codes and not also
+        return
+    assert not first_codes and not codes
+    assert not any(isinstance(a, np.memmap) for a in first_also)  # packed by this load: in memory
+    assert also and all(isinstance(a, np.memmap) for a in also)  # mapped from the cache
+
+
+@pytest.mark.skipif("avx512vbmi" not in isa.host_levels(), reason="this CPU lacks AVX-512 VBMI")
 @pytest.mark.parametrize("rev", [False, True])
 def test_the_kernels_pack_as_the_reference(tmp_path: Path, rev: bool) -> None:
     write_model(tmp_path / "m.bin", 2)

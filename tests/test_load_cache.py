@@ -316,6 +316,25 @@ def test_map_pages_maps_what_a_hit_did_not_read(cache: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_map_pages_leaves_the_codes_to_a_provider_that_reads_its_own(cache: Path, tmp_path: Path) -> None:
+    """Where the provider reads codes of its own (KernelProvider.upload_ternary's `own_codes`: the CPU plugin's
+    base-3 codes), the engine asks for those and not the file's, which would stay resident for nothing."""
+    from bitnet.modelfile.model import map_pages
+
+    path = write(tmp_path / "m.gguf", weight_type="i2_s", dim=1024, ffn_dim=1024, n_heads=8, n_kv_heads=8,
+                 vocab_size=8192)
+    load_model(path)  # a miss
+    m = load_model(path)  # a hit: no code read
+    codes = sum(getattr(layer, f).codes.nbytes for layer in m.layers
+                for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    before = _rss_file_kb()
+    map_pages(m, False, codes=False).join()
+    assert (_rss_file_kb() - before) * 1024 < 0.1 * codes
+    map_pages(m, False).join()  # (what the same call maps with them)
+    assert (_rss_file_kb() - before) * 1024 >= 0.7 * codes
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_map_pages_maps_the_int8_head_it_is_given(cache: Path, tmp_path: Path) -> None:
     """An int8 head mapped from its cache is a 2-D array of another file: map_pages faults in its every
     page too, not one row per 4 KB."""
