@@ -18,6 +18,7 @@ files the load cache takes (load_cache.MIN_FILE_BYTES) are cached; a failure to 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import marshal
 import os
@@ -164,6 +165,7 @@ def _write(path: str, key: tuple, index: dict, parts: dict[tuple, np.ndarray]) -
         pass
 
 
+@functools.cache
 def _stamp() -> bytes:
     """The code that packs (the whole kernel template: pack_base3 and the constants it reads)."""
     here = Path(__file__).resolve().parent
