@@ -1,7 +1,9 @@
 """Would ternary codes packed 5 to a byte (base 3, 1.6 bits a weight) decode one token faster than our 2-bit codes?
 
 One token's BitLinear reads every weight once and is bound by memory, so a denser packing is faster exactly as long
-as decoding it keeps up with the memory. This probe measures that on the host, before any format is built:
+as decoding it keeps up with the memory. This probe measured that on a Zen 5 before the CPU plugin's avx512vbmi level
+was built on it; that level is the default only where it was measured faster (`isa.base3_by_default`), and this
+probe says whether it would be on another host (Zen 4, Intel):
 
 - "2-bit": the shipped one-token dot of the host's best kernel level (`bitnet_cpu.int_kernels`), 4 codes a byte;
 - "base-3": a prototype dot over 64-byte blocks of 320 weights, byte l holding columns l, 64 + l, ... 256 + l

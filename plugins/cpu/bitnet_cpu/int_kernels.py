@@ -6,7 +6,9 @@ sets ISA (the level of the dot products from `dot_ir`) and CACHE (whether a disk
 directory of that level's own is in use) before running it; it is not imported by name.
 
 Weights are read as blocks, uint8 [rows, n_blocks, 64] with any row and block stride, so
-TQ2_0 runs straight from the memory-mapped file (66-byte blocks: the codes, then the scale).
+TQ2_0 runs straight from the memory-mapped file (66-byte blocks: the codes, then the scale). On the avx512vbmi level
+the rows with one scale are read as base-3 blocks of RB = 320 weights instead (`pack_base3`, dot_ir), their
+activations in natural column order, padded to whole blocks (`quantize_rowscale`).
 A call's rows may come from several such arrays stacked (Q, K and V; gate and up). The caller splits
 them into parallel tasks, a `tasks` table int64 [n_tasks, 6]: (address of its array's row 0, row
 stride in bytes, the task's rows r0..r1 of that array, the array's first row in the stack and its

@@ -1,7 +1,8 @@
 """The CPU kernel provider: numba kernels on the packed weights, NumPy for the rest.
 
 Ternary weights stay packed (2 bits each, the canonical layout is also the kernel's layout),
-TQ2_0 and I2_S in place in the memory-mapped file.
+TQ2_0 and I2_S in place in the memory-mapped file; on the avx512vbmi level, rows with one scale are packed five to a
+byte at upload (`PackedTernary.base3`, from `base3_cache` from the second load of a file on).
 BitLinear quantizes activations to int8 and runs the SIMD integer kernels of
 `int_kernels`, built for the instruction-set level `isa.choose()` picks; the F16 LM head,
 its int8 twin and RMSNorm run in `float_kernels`, attention in `attention`. Unquantized ("none") BitLinear keeps the
