@@ -107,6 +107,7 @@ def test_a_miss_packs_and_the_next_load_maps_what_it_packed(cache: Path, tmp_pat
     calls.clear()
     again = load(tmp_path / "m.bin", rev, calls)
     assert calls == [1, 1] and all(isinstance(g, np.memmap) for g in again)  # one row of each checked
+    assert base3_cache._entries == {}  # the arrays hold their mapping; the module holds none past a load
     assert_packed(again, tmp_path / "m.bin", rev)
     new_process(monkeypatch)
     calls.clear()  # the other byte order is other codes: packed, and the entry then holds both
@@ -148,6 +149,23 @@ def test_a_damaged_entry_is_a_miss_that_packs_again(cache: Path, tmp_path: Path,
         f.truncate(first + 64)
     new_process(monkeypatch)
     calls.clear()
+    assert_packed(load(tmp_path / "m.bin", calls=calls), tmp_path / "m.bin")
+    assert calls == list(ROWS)
+
+
+def test_an_entry_of_other_shapes_is_a_miss_and_a_load_lets_entries_go(cache: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    write_model(tmp_path / "m.bin", 0)
+    load(tmp_path / "m.bin")
+    (entry,) = cache.glob("base3/*.bin")
+    raw = entry.read_bytes()
+    size = int.from_bytes(raw[5:13], "little")
+    key, index = marshal.loads(raw[5 + 8:5 + 8 + size])
+    index = {k: (at, (1, *shape[1:])) for k, (at, shape) in index.items()}  # one row each: a damaged index
+    body = marshal.dumps((key, index))
+    entry.write_bytes(raw[:5] + len(body).to_bytes(8, "little") + body + raw[5 + 8 + len(body):])
+    new_process(monkeypatch)
+    calls: list[int] = []
     assert_packed(load(tmp_path / "m.bin", calls=calls), tmp_path / "m.bin")
     assert calls == list(ROWS)
 

@@ -49,7 +49,8 @@ def packed(blocks: Sequence[np.ndarray], rev: bool, n_blocks: int, pack: Pack) -
 
 
 def flush() -> None:
-    """Write an entry for each file whose codes this process packed (with what its entry held already)."""
+    """Write an entry for each file whose codes this process packed (with what its entry held already). The entries
+    read are let go: the arrays `packed` returned keep their mappings as long as a model holds them, and no longer."""
     while _packed:
         path, (key, fresh) = _packed.popitem()
         held = _entries.pop(path, None)
@@ -62,6 +63,7 @@ def flush() -> None:
             index[k] = (at, codes.shape)
             at += codes.nbytes
         _write(path, key, index, parts)
+    _entries.clear()
 
 
 def directory() -> Path:
@@ -109,6 +111,8 @@ def _lookup(path: str, key: tuple, where: tuple, b: np.ndarray, rev: bool, pack:
     if entry is None or where not in entry[1]:
         return None
     at, shape = entry[1][where]
+    if tuple(shape) != (len(b), where[-1], _BYTES):
+        return None
     codes = entry[2][at:at + int(np.prod(shape))].reshape(shape)
     row = len(b) // 2
     again = np.empty((1, *shape[1:]), np.uint8)
