@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from bitnet_cpu import isa
-from bitnet_cpu.dot_ir import BASE3_BLOCK, BLOCK, TRITS
+from bitnet_cpu.dot_ir import BASE3_BLOCK, BLOCK, ENCODE, TRITS
 
 
 def _aligned(n: int, dtype: type) -> np.ndarray:
@@ -66,9 +66,9 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     out = np.zeros(64, np.int32)
-    nb = 8  # the base-3 dot against NumPy, codes of every byte value 0-242
+    nb = 8  # the base-3 dot against NumPy, every byte the encoding writes
     w = _aligned(nb * 64, np.uint8)
-    w[:] = np.arange(w.size) % 243
+    w[:] = ENCODE[np.arange(w.size) % 243]
     q = _aligned(nb * BASE3_BLOCK, np.int8)
     q[:] = rng.integers(-127, 128, q.size)
     runs["base-3", 1](w, q, out, 1, nb)
@@ -85,7 +85,7 @@ def main() -> int:
                     nb = -(-cols // per_block)
                     rows = (512 << 20) // (nb * 64) // 2 * 2
                     w = _aligned(rows * nb * 64, np.uint8)
-                    w[:] = 0x55  # code 1 everywhere: valid in both formats (no byte of it is past 242)
+                    w[:] = 0x55  # code 1 in each 2-bit field, and a byte the base-3 encoding writes
                     q = _aligned(nb * per_block, np.int8)
                     q[:] = rng.integers(-127, 128, q.size)
                     run = runs[name, threads]

@@ -17,16 +17,17 @@ import pytest
 from bitnet.modelfile import load_cache
 from bitnet.modelfile.ternary import reverse_fields, unpack_codes
 from bitnet_cpu import base3_cache, isa
-from bitnet_cpu.dot_ir import BASE3_BLOCK
+from bitnet_cpu.dot_ir import BASE3_BLOCK, ENCODE
 
 
 def ref_pack(blocks: np.ndarray, rev: bool, out: np.ndarray) -> None:
-    """out = blocks' 2-bit codes (byte order `rev`) in base 3: byte l of block m is sum_s 3**s c[320m + 64s + l]."""
+    """out = blocks' 2-bit codes (byte order `rev`) in base 3: byte l of block m is
+    ENCODE[sum_s 3**s c[320m + 64s + l]]."""
     rows, nb = blocks.shape[:2]
     raw = np.ascontiguousarray(blocks).reshape(rows, nb * 64)
     codes = np.ones((rows, out.shape[1] * BASE3_BLOCK), np.int64)  # code 1 (zero) past the row
     codes[:, :nb * 256] = unpack_codes(reverse_fields(raw) if rev else raw) + 1
-    out[:] = (codes.reshape(rows, out.shape[1], 5, 64) * 3 ** np.arange(5)[:, None]).sum(2)
+    out[:] = ENCODE[(codes.reshape(rows, out.shape[1], 5, 64) * 3 ** np.arange(5)[:, None]).sum(2)]
 
 
 def counted(calls: list[int]) -> Callable[[np.ndarray, bool, np.ndarray], None]:

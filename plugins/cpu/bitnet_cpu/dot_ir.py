@@ -7,10 +7,11 @@ inner loop is therefore emitted here as LLVM vector IR on whole 256-value blocks
 
 - "avx512vbmi": the "avx512vnni" dot on codes packed five to a byte (base 3, 1.6 bits a weight) where a row has one
   scale: 64-byte blocks of 320 weights, byte l holding columns l, 64 + l, ..., 256 + l (trit s its column 64s + l,
-  so each trit multiplies 64 activations in natural order). Two AVX-512 VBMI `vpermi2b` lookups (a 128-byte table
-  each half of the byte range, blended on the sign bit) decode a byte: one gives trits 0-3 as 2-bit fields, the
-  other trit 4. One token's dot is bound by memory, and this reads 1.19-1.27x the weights a second of the 2-bit
-  codes on a Zen 5 (`benchmarks/packing_probe.py`). Per-block sums (block-scaled weights) keep 2-bit codes;
+  so each trit multiplies 64 activations in natural order). AVX-512 VBMI lookups decode a byte: two `vpermi2b` (a
+  128-byte table each half of the byte range, blended on the sign bit) give trits 0-3 as 2-bit fields, one `vpermb`
+  on its low six bits trit 4 (see ENCODE). One token's dot is bound by memory, and this reads 1.2-1.3x the weights
+  a second of the 2-bit codes on a Zen 5 (`benchmarks/packing_probe.py`). Per-block sums (block-scaled weights)
+  keep 2-bit codes;
 - "avx512vnni": codes c in {0,1,2} times int8 activations with the 512-bit `vpdpbusd`
   (u8 x s8 -> i32, 64 products per instruction), the operation ternary weights map onto exactly;
 - "avxvnni": the same on 256-bit vectors (`llvm.x86.avx512.vpdpbusd.256`): LLVM encodes it as
@@ -81,9 +82,15 @@ def row_block(isa: str) -> int:
     return BASE3_BLOCK if isa == "avx512vbmi" else BLOCK
 
 
-# Byte -> its five trits in base 3 (trit 0 least significant; 243-255 are never written): the base-3 lookup tables.
-_BYTE = np.minimum(np.arange(256), 242)
-TRITS = np.stack([(_BYTE // 3 ** k) % 3 for k in range(5)]).astype(np.uint8)
+# The base-3 byte of five trits: i = t0 + 3 t1 + 9 t2 + 27 t3 (0-80) sits at byte 21 t4 + i // 4 + 64 (i % 4), so that
+# a byte's low six bits alone give t4 (63 groups of 4 bytes, 21 a value of t4): one 64-entry `vpermb`, where a
+# 256-entry lookup takes two `vpermi2b` and a blend. ENCODE[t4 * 81 + i] is the byte; TRITS[k, byte] its trit k (0
+# for the 13 bytes never written).
+_T = np.arange(243)
+ENCODE = (21 * (_T // 81) + _T % 81 // 4 + 64 * (_T % 81 % 4)).astype(np.uint8)
+TRITS = np.zeros((5, 256), np.uint8)
+for _k in range(5):
+    TRITS[_k, ENCODE] = (_T % 81 // 3 ** _k) % 3 if _k < 4 else _T // 81
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
@@ -201,7 +208,9 @@ class _Block:
             out = [b.and_(low, _splat(_I8, 64, 3 << (2 * s))) for s in range(4)]
         else:
             out = [b.and_(b.lshr(low, _splat(_I8, 64, 2 * s)), _splat(_I8, 64, 3)) for s in range(4)]
-        return out + [look(TRITS[4])]
+        permb = _declare(b.module, "llvm.x86.avx512.permvar.qi.512", v8, [v8] * 2)
+        fifth = ir.Constant(v8, [ir.Constant(_I8, int(v)) for v in TRITS[4][:64]])  # (a byte's low six bits)
+        return out + [b.call(permb, [fifth, w])]
 
     def update(self, accs: list[list[ir.Value]], codes: list[list[ir.Value]],
                qptr: ir.Value) -> list[list[ir.Value]]:

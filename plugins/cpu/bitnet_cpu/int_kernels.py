@@ -38,6 +38,7 @@ from bitnet_cpu import float_kernels as fk
 from bitnet_cpu.dot_ir import (
     BLOCK,
     CHUNK,
+    ENCODE,
     ONE_TOKEN_ROWS,
     TILE,
     VNNI,
@@ -211,8 +212,8 @@ def quantize_rowscale(x: np.ndarray, q: np.ndarray, s: np.ndarray, qsum: np.ndar
 @njit(parallel=True, cache=CACHE)
 def pack_base3(blocks: np.ndarray, rev: bool, out: np.ndarray) -> None:
     """out [rows, row_blocks(cols), 64] = the 2-bit codes `blocks` [rows, cols // BLOCK, 64] (byte order; rev: I2_S's)
-    packed five to a byte in base 3: byte l of block m is sum_s 3**s * c[320m + 64s + l], columns past the row's
-    code 1 (a zero weight; their activations are zero too)."""
+    packed five to a byte in base 3: byte l of block m is ENCODE[sum_s 3**s * c[320m + 64s + l]] (see dot_ir), columns
+    past the row's code 1 (a zero weight; their activations are zero too)."""
     rows, nb = blocks.shape[0], blocks.shape[1]
     nb3 = out.shape[1]
     for r in prange(rows):
@@ -229,7 +230,7 @@ def pack_base3(blocks: np.ndarray, rev: bool, out: np.ndarray) -> None:
         for m in range(nb3):
             for j in range(64):
                 i = m * RB + j
-                out[r, m, j] = c[i] + 3 * c[i + 64] + 9 * c[i + 128] + 27 * c[i + 192] + 81 * c[i + 256]
+                out[r, m, j] = ENCODE[c[i] + 3 * c[i + 64] + 9 * c[i + 128] + 27 * c[i + 192] + 81 * c[i + 256]]
 
 
 @njit(inline="always", cache=CACHE)
