@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import marshal
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,6 +88,7 @@ def load(path: Path, rev: bool = False, calls: list[int] | None = None) -> tuple
     """A load's packing of the file's two projections, and its flush once both are placed."""
     got = base3_cache.packed(projections(path), rev, NB3, counted(calls if calls is not None else []))
     base3_cache.flush()
+    base3_cache.written()
     return got
 
 
@@ -102,6 +105,7 @@ def test_a_miss_packs_and_the_next_load_maps_what_it_packed(cache: Path, tmp_pat
     got = base3_cache.packed(projections(tmp_path / "m.bin"), rev, NB3, counted(calls))
     assert calls == list(ROWS) and not list(cache.glob("base3/*.bin"))  # written once the load placed everything
     base3_cache.flush()
+    base3_cache.written()
     assert len(list(cache.glob("base3/*.bin"))) == 1
     assert_packed(got, tmp_path / "m.bin", rev)
     new_process(monkeypatch)
@@ -119,6 +123,21 @@ def test_a_miss_packs_and_the_next_load_maps_what_it_packed(cache: Path, tmp_pat
     for order in (rev, not rev):
         assert_packed(load(tmp_path / "m.bin", order, calls), tmp_path / "m.bin", order)
     assert calls == [1, 1, 1, 1]
+
+
+def test_a_process_that_ends_after_its_load_still_writes_the_entry(cache: Path, tmp_path: Path) -> None:
+    # flush writes on a thread of its own (so that a first load does not wait for 0.42 GB to reach the disk); the
+    # interpreter waits for it before it exits.
+    write_model(tmp_path / "m.bin", 0)
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_base3_cache as t; "
+            "from pathlib import Path; from bitnet_cpu import base3_cache; from bitnet.modelfile import load_cache; "
+            "load_cache.MIN_FILE_BYTES = 0; "
+            f"base3_cache.packed(t.projections(Path({str(tmp_path / 'm.bin')!r})), False, t.NB3, t.ref_pack); "
+            "base3_cache.flush(); print(len(base3_cache._writers))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0 and r.stdout.split() == ["1"], r.stderr[-2000:]
+    assert len(list(cache.glob("base3/*.bin"))) == 1
 
 
 def test_a_changed_file_is_a_miss(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,6 +247,7 @@ def test_a_load_maps_the_codes_its_level_reads(cache: Path, tmp_path: Path, monk
         new_process(monkeypatch)
         engine = load(str(path), device="cpu")
         engine.close()
+        base3_cache.written()
     (_, _, first_also, first_codes), (_, _, also, codes) = seen
     if level == "avx512vnni":
         assert first_codes and codes and not also
