@@ -104,6 +104,8 @@ def test_a_miss_packs_and_the_next_load_maps_what_it_packed(cache: Path, tmp_pat
     calls: list[int] = []
     got = base3_cache.packed(projections(tmp_path / "m.bin"), rev, NB3, counted(calls))
     assert calls == list(ROWS) and not list(cache.glob("base3/*.bin"))  # written once the load placed everything
+    # Cut from one chunk (2 MB pages; arrays of their own would get 4 KB ones), each on a cache line.
+    assert got[0].base is got[1].base and all(g.ctypes.data % 64 == 0 for g in got)
     base3_cache.flush()
     base3_cache.written()
     assert len(list(cache.glob("base3/*.bin"))) == 1
