@@ -152,14 +152,21 @@ def test_a_changed_file_is_a_miss(cache: Path, tmp_path: Path, monkeypatch: pyte
     assert calls == list(ROWS)
 
 
+def entry_header(cache: Path) -> tuple[Path, bytes, tuple, dict]:
+    """The one entry: its path, bytes, key and index (after the magic: the index's length, then key and index)."""
+    (entry,) = cache.glob("base3/*.bin")
+    raw = entry.read_bytes()
+    key, index = marshal.loads(raw[13:13 + int.from_bytes(raw[5:13], "little")])
+    return entry, raw, key, index
+
+
 def test_a_damaged_entry_is_a_miss_that_packs_again(cache: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     write_model(tmp_path / "m.bin", 0)
     load(tmp_path / "m.bin")
-    (entry,) = cache.glob("base3/*.bin")
-    raw = bytearray(entry.read_bytes())
-    size = int.from_bytes(raw[5:13], "little")  # magic, the index's length, the key and the index
-    first = min(at for at, _ in marshal.loads(raw[13:13 + size])[1].values())
+    entry, data, _, index = entry_header(cache)
+    raw = bytearray(data)
+    first = min(at for at, _ in index.values())
     raw[first + (ROWS[0] // 2) * NB3 * 64] ^= 1  # the first projection's checked row
     entry.write_bytes(bytes(raw))
     new_process(monkeypatch)
@@ -179,10 +186,7 @@ def test_an_entry_of_other_shapes_is_a_miss_and_a_load_lets_entries_go(cache: Pa
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     write_model(tmp_path / "m.bin", 0)
     load(tmp_path / "m.bin")
-    (entry,) = cache.glob("base3/*.bin")
-    raw = entry.read_bytes()
-    size = int.from_bytes(raw[5:13], "little")
-    key, index = marshal.loads(raw[5 + 8:5 + 8 + size])
+    entry, raw, key, index = entry_header(cache)
     index = {k: (at, (1, *shape[1:])) for k, (at, shape) in index.items()}  # one row each: a damaged index
     body = marshal.dumps((key, index))
     entry.write_bytes(raw[:5] + len(body).to_bytes(8, "little") + body + raw[5 + 8 + len(body):])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bitnet.errors import UsageError
-from bitnet_cpu import dot_ir, float_kernels, isa
+from bitnet_cpu import dot_ir, float_kernels, ir_checks, isa
 from conftest import cli_env, run_cli
 
 LEVELS = isa.host_levels()
@@ -95,7 +95,7 @@ def _instructions(asm: str) -> set[str]:
 def test_every_level_compiles_to_its_instructions(level: str, cpu: str | None, expected: set[str], tile: int,
                                                   per_block: bool, q8: bool) -> None:
     # q8: the int8 LM head's dot, the same instructions (|w| unsigned, q with w's sign).
-    asm = dot_ir.assembly(level, cpu, tile, per_block, q8)
+    asm = ir_checks.assembly(level, cpu, tile, per_block, q8)
     assert _instructions(asm) == expected
     # The weight stream is prefetched with the vendor's hint for bytes read once (never into L1 for keeps:
     # prefetcht0 would evict everything else a decode step uses).
@@ -108,14 +108,14 @@ _HINTS = {0: "prefetchnta", 1: "prefetcht2"}
 @pytest.mark.parametrize("tile, rows", [(1, 1), (2, 1), (dot_ir.TILE, 2), (dot_ir.WIDE, 2)])
 def test_the_base3_level_decodes_with_vbmi_lookups(tile: int, rows: int) -> None:
     # Two 128-byte table lookups a table (trits 0-3, trit 4), then 512-bit vpdpbusd, as avx512vnni.
-    asm = dot_ir.assembly("avx512vbmi", None, tile, rows=rows)
+    asm = ir_checks.assembly("avx512vbmi", None, tile, rows=rows)
     assert _instructions(asm) == {"vpdpbusd zmm"}
     assert re.search(r"\svperm[it]2b\s+.*zmm", asm)
-    assert not re.search(r"\svperm[it]2b\s", dot_ir.assembly("avx512vnni", None, tile, rows=rows))
+    assert not re.search(r"\svperm[it]2b\s", ir_checks.assembly("avx512vnni", None, tile, rows=rows))
     # Per-block scales (TQ2_0's) sum 256-blocks, which 320-weight base-3 blocks do not fall on: that level's kernels
     # take 2-bit codes there (int_kernels._PER_BLOCK_ISA), and the base-3 IR refuses.
     with pytest.raises(ValueError, match="base-3 blocks"):
-        dot_ir.dot_module("avx512vbmi", dot_ir.TILE, per_block=True)
+        ir_checks.dot_module("avx512vbmi", dot_ir.TILE, per_block=True)
 
 
 def test_the_stream_hint_is_the_vendors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,7 +128,7 @@ def test_the_stream_hint_is_the_vendors(tmp_path: Path, monkeypatch: pytest.Monk
     for locality, hint in _HINTS.items():
         monkeypatch.setattr(dot_ir, "STREAM_LOCALITY", locality)
         for q8 in (False, True):
-            asm = dot_ir.assembly("avx2", q8=q8)
+            asm = ir_checks.assembly("avx2", q8=q8)
             assert hint in asm and _HINTS[1 - locality] not in asm
 
 
@@ -161,9 +161,9 @@ def test_the_f16_head_streams_its_rows_with_the_same_hint(locality: int, monkeyp
 
 def test_the_compile_check_sees_a_missing_instruction() -> None:
     # The check above is not vacuous: the avx2 level has no vpdpbusd, the avx512vnni level no vpmaddubsw.
-    assert not any("vpdpbusd" in i for i in _instructions(dot_ir.assembly("avx2")))
-    assert not any("maddubsw" in i for i in _instructions(dot_ir.assembly("avx512vnni")))
-    assert not any("vpdpbusd" in i for i in _instructions(dot_ir.assembly("avx2", q8=True)))
+    assert not any("vpdpbusd" in i for i in _instructions(ir_checks.assembly("avx2")))
+    assert not any("maddubsw" in i for i in _instructions(ir_checks.assembly("avx512vnni")))
+    assert not any("vpdpbusd" in i for i in _instructions(ir_checks.assembly("avx2", q8=True)))
 
 
 def _spills(asm: str) -> list[str]:
@@ -176,7 +176,7 @@ def test_vnni_accumulators_stay_in_registers(tile: int, rows: int) -> None:
     # Four accumulators per token (one per 2-bit field) for 8 tokens were 32 zmm registers, all there are:
     # the 8-token pass stored and reloaded three of them in every block. From TILE tokens on the fields share one,
     # and two rows per pass (16 accumulators, 8 code fields) still fit; so do one token's four rows (16 and 16).
-    asm = dot_ir.assembly("avx512vnni", "icelake-server", tile, rows=rows)
+    asm = ir_checks.assembly("avx512vnni", "icelake-server", tile, rows=rows)
     assert _spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
 
 
@@ -184,31 +184,31 @@ def test_vnni_accumulators_stay_in_registers(tile: int, rows: int) -> None:
 def test_one_tokens_pass_keeps_its_rows_accumulators_in_registers(level: str) -> None:
     # Four rows a pass are 16 accumulators (one per row and 2-bit field): 32 zmm hold them, while Alder Lake's 16
     # ymm spilled them 44 times a pass, so AVX-VNNI keeps one row.
-    assert _spills(dot_ir.assembly(level, None, 1, rows=dot_ir.ONE_TOKEN_ROWS.get(level, 1))) == []
+    assert _spills(ir_checks.assembly(level, None, 1, rows=dot_ir.ONE_TOKEN_ROWS.get(level, 1))) == []
 
 
 def test_a_pass_sums_its_accumulators_by_folding_them_together() -> None:
     # 16 zmm reduced one by one took 64 adds; folded in pairs, 15, and 8 more add a column part's sums to the
     # last part's. A wrong fold fails the exactness tests.
-    asm = dot_ir.assembly("avx512vnni", "icelake-server", dot_ir.WIDE, rows=2)
+    asm = ir_checks.assembly("avx512vnni", "icelake-server", dot_ir.WIDE, rows=2)
     assert len(re.findall(r"\bvpaddd\b", asm)) <= 16 + dot_ir.WIDE
     with pytest.raises(ValueError, match="3 sums of 16 lanes"):
-        dot_ir.dot_module("avx512vnni", 3)
+        ir_checks.dot_module("avx512vnni", 3)
 
 
 @pytest.mark.parametrize("tile", [dot_ir.TILE, dot_ir.WIDE])
 def test_the_int8_heads_two_row_pass_stays_in_registers(tile: int) -> None:
-    asm = dot_ir.assembly("avx512vnni", "icelake-server", tile, q8=True, rows=2)
+    asm = ir_checks.assembly("avx512vnni", "icelake-server", tile, q8=True, rows=2)
     assert _spills(asm) == [] and _instructions(asm) == {"vpdpbusd zmm"}
     with pytest.raises(ValueError, match="several rows per pass are a VNNI pass"):
-        dot_ir.dot_module("avx2", tile, q8=True, rows=2)
+        ir_checks.dot_module("avx2", tile, q8=True, rows=2)
 
 
 def test_two_rows_per_pass_are_vnni_only() -> None:
     with pytest.raises(ValueError, match="VNNI pass without per-block sums"):
-        dot_ir.dot_module("avx2", dot_ir.WIDE, rows=2)
+        ir_checks.dot_module("avx2", dot_ir.WIDE, rows=2)
     with pytest.raises(ValueError, match="VNNI pass without per-block sums"):
-        dot_ir.dot_module("avx512vnni", dot_ir.TILE, per_block=True, rows=2)
+        ir_checks.dot_module("avx512vnni", dot_ir.TILE, per_block=True, rows=2)
 
 
 def test_the_spill_check_sees_a_spill() -> None:
@@ -219,7 +219,7 @@ def test_the_spill_check_sees_a_spill() -> None:
 
 def test_unknown_level_is_refused_by_the_emitter() -> None:
     with pytest.raises(ValueError, match="unknown ISA level"):
-        dot_ir.dot_module("sse9")
+        ir_checks.dot_module("sse9")
 
 
 # -- the multiply-add probe the benchmarks time (dot_ir.emit_peak) --------------------------------------------
@@ -228,9 +228,9 @@ def test_unknown_level_is_refused_by_the_emitter() -> None:
                                              ("avx2", {"vpmaddubsw ymm"})])
 def test_the_probe_compiles_to_the_level_instruction(level: str, expected: set[str]) -> None:
     # The instruction the level's dot products multiply with, and nothing else of the kind.
-    assert _instructions(dot_ir.peak_assembly(level)) == expected
+    assert _instructions(ir_checks.peak_assembly(level)) == expected
     with pytest.raises(ValueError, match="no multiply-add instruction"):
-        dot_ir.peak_module("generic")
+        ir_checks.peak_module("generic")
 
 
 def _maddubs_probe(n_iter: int) -> int:
@@ -335,7 +335,7 @@ def test_each_block_requests_the_lines_of_both_ends_of_its_codes(level: str, til
                                                                   rows: int) -> None:
     # GGUF aligns a tensor to 32 bytes and TQ2_0's blocks are 66 apart: a block's 64 code bytes often span two lines,
     # and one request a block (its first byte ahead) left a line of each row to the hardware prefetcher.
-    text = dot_ir.dot_module(level, tile, per_block, rows=rows)
+    text = ir_checks.dot_module(level, tile, per_block, rows=rows)
     ends = {end: re.findall(rf'= add i64 (\S+), {end}\n', text) for end in (0, dot_ir.BLOCK_BYTES - 1)}
     assert ends[0] and sorted(ends[0]) == sorted(ends[dot_ir.BLOCK_BYTES - 1])
     assert text.count('call void @"llvm.prefetch.p0"') == 2 * len(ends[0])

@@ -12,7 +12,7 @@ What runs where:
 | generic | portable LLVM vector IR | anything numba compiles for |
 
 Numba compiles for the host, and LLVM aborts the process on an intrinsic the host cannot run, so
-a level the host lacks is never compiled here; `dot_ir.assembly()` checks such a level by
+a level the host lacks is never compiled here; `ir_checks.assembly()` checks such a level by
 compiling its IR for a CPU that has it, without running it.
 
 `int_kernels` is executed once per level as its own module (`bitnet_cpu.int_kernels_<level>`),
