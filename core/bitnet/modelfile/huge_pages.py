@@ -107,4 +107,3 @@ def _huge_pages_allowed() -> bool:
         return "[never]" not in Path(_THP).read_text()
     except OSError:
         return False
-

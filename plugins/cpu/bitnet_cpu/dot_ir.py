@@ -50,13 +50,24 @@ from llvmlite import ir
 from numba.core import cgutils
 
 
-def stream_locality(cpuinfo: str = "/proc/cpuinfo") -> int:
-    """The `llvm.prefetch` locality for bytes read once: 1 (`prefetcht2`) on Intel, else 0 (`prefetchnta`)."""
+def first_cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's fields in `cpuinfo` (vendor_id, cpu family, ...); none where it cannot be read."""
+    info: dict[str, str] = {}
     try:
         with open(cpuinfo) as f:
-            return int(any(ln.startswith("vendor_id") and ln.split(":", 1)[1].strip() == "GenuineIntel" for ln in f))
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip():  # the end of the first processor's block
+                    break
+                info.setdefault(key.strip(), value.strip())
     except OSError:
-        return 0
+        pass
+    return info
+
+
+def stream_locality(cpuinfo: str = "/proc/cpuinfo") -> int:
+    """The `llvm.prefetch` locality for bytes read once: 1 (`prefetcht2`) on Intel, else 0 (`prefetchnta`)."""
+    return int(first_cpu(cpuinfo).get("vendor_id") == "GenuineIntel")
 
 
 STREAM_LOCALITY = stream_locality()

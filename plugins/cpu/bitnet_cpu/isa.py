@@ -40,7 +40,7 @@ from types import ModuleType
 from bitnet.errors import UsageError
 from bitnet.plugins.types import host_cpu_name
 
-from .dot_ir import LEVELS
+from .dot_ir import LEVELS, first_cpu
 
 _ENV = "BITNET_CPU_ISA"
 _NAMES = {"avx512": "avx512vnni", **{level: level for level in LEVELS}}
@@ -104,17 +104,9 @@ def base3_by_default(cpuinfo: str = "/proc/cpuinfo") -> bool:
     than avx512vnni's on a Zen 5 EPYC). Zen 4 runs 512-bit operations in two halves and Intel's cores on two ports,
     where the decoding may not keep up with memory: not measured there, so avx512vnni stays their default
     (`benchmarks/packing_probe.py` measures it; BITNET_CPU_ISA=avx512vbmi takes it)."""
-    info: dict[str, str] = {}
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-                if not key.strip():  # the first processor's block is enough
-                    break
-        return info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) >= 26
-    except (OSError, ValueError):
-        return False
+    info = first_cpu(cpuinfo)
+    family = info.get("cpu family", "")
+    return info.get("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 26
 
 
 def default_level() -> str:
