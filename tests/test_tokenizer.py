@@ -376,6 +376,11 @@ def _stress_metadata_cached(kind: str) -> dict[str, Any]:
         md["tokenizer.ggml.merges"] += [f"{a} {b}" for a, b in merges]
         for w in STRESS_EXTRA_WORDS:
             add(w)
+        # First-ranked merges that spell no token ("ox" of "fox", "м" of "мир"): llama.cpp applies them, then
+        # gives a piece no token spells as the tokens of its single bytes, and drops the bytes past 0x7F.
+        bogus = [("o", "x"), (byte_chars[0xD0], byte_chars[0xBC])]
+        assert not any(x + y in known for x, y in bogus)
+        md["tokenizer.ggml.merges"][:0] = [f"{x} {y}" for x, y in bogus]
     else:
         scores = md["tokenizer.ggml.scores"]
         del scores[keep:]
@@ -529,8 +534,10 @@ def _falcon_hf_tokenizer(md: dict[str, Any]) -> Any:
     from tokenizers import Tokenizer as HFTokenizer
 
     vocab = {t: i for i, t in enumerate(md["tokenizer.ggml.tokens"])}
-    # A repeated merge keeps its first rank, as llama.cpp reads GGUF merges (HF would keep the last).
+    # A repeated merge keeps its first rank, as llama.cpp reads GGUF merges (HF would keep the last). HF refuses
+    # merges that spell no token (the stress vocabulary's first two; llama.cpp's oracle checks those).
     merges = list(dict.fromkeys(tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]))
+    merges = [(a, b) for a, b in merges if a + b in vocab]
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     # User-defined tokens are matched whole before anything else: HF's added tokens.
     user = [t for t, k in zip(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], strict=True) if k == 4]
@@ -541,6 +548,19 @@ def _falcon_hf_tokenizer(md: dict[str, Any]) -> Any:
         pre_tokenizers.Digits(individual_digits=True),
     ])
     return hf
+
+
+def test_bpe_word_cache_is_bounded_and_changes_no_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bitnet.text import tokenizer as T
+
+    md = _stress_metadata("gpt2")
+    md["tokenizer.ggml.pre"] = "gpt-2"  # no ignore_merges: every word is merged, and cached
+    want = [Tokenizer.from_metadata(md).encode(t) for t in TEXTS]
+    monkeypatch.setattr(T, "_WORD_CACHE", 3)
+    tok = Tokenizer.from_metadata(md)
+    for _ in range(2):  # the second time from the cache
+        assert [tok.encode(t) for t in TEXTS] == want
+        assert 0 < len(tok._words) <= 3
 
 
 def test_falcon_e_matches_falcons_hf_pipeline() -> None:
