@@ -101,6 +101,25 @@ def test_synthetic_metadata_shape(kind: str, n_vocab: int) -> None:
     assert max(ids) < n_vocab and not any(tok.is_eog(i) for i in ids)
 
 
+def test_llama3_sized_metadata() -> None:
+    from bitnet.text.synthetic_vocab import LLAMA3_MERGES, LLAMA3_NORMAL
+
+    md = synthetic_tokenizer_metadata("llama3", 128256)
+    tokens, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]
+    assert len(set(tokens)) == len(tokens) == 128256 and len(set(merges)) == len(merges) == LLAMA3_MERGES
+    assert md["tokenizer.ggml.token_type"].count(1) == LLAMA3_NORMAL
+    assert tokens[LLAMA3_NORMAL:LLAMA3_NORMAL + 3] == ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    assert md == synthetic_tokenizer_metadata("llama3", 128256)  # deterministic
+    learned = synthetic_tokenizer_metadata("gpt2", 128256)["tokenizer.ggml.merges"]
+    assert merges[:len(learned)] == learned  # the gpt2 vocabulary's own first
+    tok = Tokenizer.from_metadata(md)
+    assert (tok.bos_id, tok.eos_id, tok.eot_id) == (128000, 128001, 128002)
+    ids = tok.encode(" ".join(TEXTS))
+    assert ids[0] == tok.bos_id and max(ids[1:]) < LLAMA3_NORMAL
+    with pytest.raises(ValueError, match="llama3"):
+        synthetic_tokenizer_metadata("llama3", 1000)
+
+
 def test_synthetic_metadata_is_a_fresh_copy() -> None:
     md = synthetic_tokenizer_metadata("gpt2", 1000)
     md["tokenizer.ggml.tokens"].append("x")
@@ -403,6 +422,7 @@ def _stress_metadata(kind: str) -> dict[str, Any]:
 LLAMA_CPP_CONFIGS = [
     ("gpt2-llama-bpe", "gpt2", 1000, "llama-bpe"),
     ("gpt2-llama-bpe-128k", "gpt2", 128256, "llama-bpe"),
+    ("llama3-sized", "llama3", 128256, "llama-bpe"),  # 280147 merges, 150k of them spelling no token
     ("gpt2-stress-llama-bpe", "gpt2", "stress", "llama-bpe"),
     ("gpt2-stress-missing-pre", "gpt2", "stress", None),
     ("gpt2-stress-gpt-2", "gpt2", "stress", "gpt-2"),

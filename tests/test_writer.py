@@ -112,7 +112,7 @@ def test_2b4t_preset_shape_and_size() -> None:
     spec = PRESETS["2b4t"]
     assert (spec.n_layers, spec.dim, spec.n_heads, spec.n_kv_heads, spec.ffn_dim, spec.vocab_size) == \
         (30, 2560, 20, 5, 6912, 128256)
-    assert (spec.embd_type, spec.tokenizer, spec.rope_theta) == ("f16", "gpt2", 500000.0)
+    assert (spec.embd_type, spec.tokenizer, spec.rope_theta) == ("f16", "llama3", 500000.0)
     plan = _plan(spec)
     assert len(plan) == 2 + 30 * 11
     total = sum(tensor_nbytes(_tensor_type(spec, kind), shape) for _, kind, shape in plan)

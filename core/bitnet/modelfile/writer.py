@@ -47,7 +47,7 @@ class SyntheticSpec:
     rms_eps: float = 1e-5
     weight_type: str = "tq2_0"  # tq2_0 | tq1_0 | i2_s | f32 | f16 | bf16
     embd_type: str = "f16"  # f16 | f32 (also bf16, q8_0, q6_k: loaded as float32)
-    tokenizer: str = "gpt2"  # gpt2 | llama
+    tokenizer: str = "gpt2"  # gpt2 | llama3 (gpt2 grown to Llama 3's size) | llama
     vocab_size: int = 512
     tied: bool = True  # False writes output.weight
     scales: bool = False  # write <proj>.scale tensors; the weights then carry scale 1
@@ -65,9 +65,9 @@ class SyntheticSpec:
 
 PRESETS: dict[str, SyntheticSpec] = {
     "tiny": SyntheticSpec(),
-    # BitNet b1.58 2B-4T as Microsoft ships it (docs/design.md section 4).
+    # BitNet b1.58 2B-4T as Microsoft ships it (docs/design.md section 4), its vocabulary Llama 3's size.
     "2b4t": SyntheticSpec(arch="bitnet-b1.58", n_layers=30, dim=2560, n_heads=20, n_kv_heads=5, ffn_dim=6912,
-                          n_ctx=4096, rope_theta=500000.0, weight_type="i2_s", vocab_size=128256),
+                          n_ctx=4096, rope_theta=500000.0, weight_type="i2_s", tokenizer="llama3", vocab_size=128256),
 }
 
 
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weight-type", choices=WEIGHT_TYPES)
     ap.add_argument("--arch", choices=("bitnet", "bitnet-b1.58", "bitnet-25", "llama"))
     ap.add_argument("--embd-type", choices=EMBD_TYPES)
-    ap.add_argument("--tokenizer", choices=("gpt2", "llama"))
+    ap.add_argument("--tokenizer", choices=("gpt2", "llama3", "llama"))
     ap.add_argument("--layers", type=int, help="override the preset's layer count")
     ap.add_argument("--untied", action="store_true", help="write a separate output.weight")
     ap.add_argument("--scales", action="store_true", help="write <proj>.scale tensors (bitnet arch)")
