@@ -84,6 +84,16 @@ def test_hit_gives_the_model_and_tokens_a_full_read_gives(cache: Path, tmp_path:
     assert cached.decode(ids) == full.decode(ids)
 
 
+def test_long_string_arrays_come_back_as_the_lists_they_were(cache: Path, tmp_path: Path) -> None:
+    path, ident = str(tmp_path / "f.gguf"), (1, 2, 3, 4, 5)
+    md = {"tokens": [f"t{i}" for i in range(300)], "with_nul": [f"t{i}" for i in range(299)] + ["a\0b"],
+          "short": ["x", "y"], "mixed": ["x"] * 299 + [1], "n": 7}
+    load_cache.store(path, ident, b"header", 6, md, [])  # (stored joined, see load_cache._joined)
+    hit = load_cache.lookup(path, ident)
+    assert hit is not None and hit.metadata == md
+    assert all(type(v) is type(md[k]) for k, v in hit.metadata.items())
+
+
 def test_tq2_0_blocks_of_different_scales(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache keeps a TQ2_0 projection's scale only when every block shares it; one block that
     differs makes the hit read that tensor's scales from the file, as a full read does."""

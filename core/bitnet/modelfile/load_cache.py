@@ -86,6 +86,7 @@ def lookup(path: str, ident: Identity | None) -> Entry | None:
         if not (isinstance(header_end, int) and isinstance(hh, bytes) and isinstance(md, dict)
                 and isinstance(tensors, list)):
             return None
+        md = {k: v[0].split("\0") if isinstance(v, tuple) else v for k, v in md.items()}
         return Entry(ident, header_end, hh, md, tensors)
     except Exception:  # a missing, unreadable or corrupt entry is a miss, never an error
         return None
@@ -105,11 +106,23 @@ def store(path: str, ident: Identity | None, data: Any, header_end: int, metadat
     if ident is None:
         return
     try:
+        md = {k: _joined(v) for k, v in metadata.items()}
         body = marshal.dumps((_stamp(), os.path.abspath(path), ident, header_end, header_hash(data, header_end),
-                              metadata, tensors))
+                              md, tensors))
         write_entry(_entry_file(path), lambda f: f.write(_MAGIC + _digest(body) + body), MAX_ENTRIES)
     except (OSError, ValueError):  # unwritable cache, or metadata marshal cannot hold
         pass
+
+
+def _joined(value: Any) -> Any:
+    """A long array of strings without NULs (a vocabulary's tokens and merges) as a 1-tuple of them joined by NULs,
+    which `lookup` splits (metadata values are never tuples): a hit made Llama 3's 128k tokens and 280k merges in
+    49 ms so, in 65 ms from marshal's lists. Anything else as it is."""
+    if isinstance(value, list) and len(value) > 256 and set(map(type, value)) == {str}:
+        joined = "\0".join(value)
+        if joined.count("\0") == len(value) - 1:
+            return (joined,)
+    return value
 
 
 def _entry_file(path: str) -> Path:
