@@ -34,7 +34,8 @@ llama.cpp cannot read I2_S: give its TQ2_0 twin (same shapes) as --llama-model. 
 own file (`--bitnet-cpp-model`: the same I2_S tensors written with `--arch bitnet`, the only
 architecture its llama.cpp fork knows): prefill from its llama-bench, decode after the prompt from the llama-cli
 beside it; no load time or RSS.
-Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0`.
+Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0` (its vocabulary has
+Llama 3's 128256 tokens and 280147 merges, as 2B-4T's: what a load parses and builds).
 """
 
 from __future__ import annotations
