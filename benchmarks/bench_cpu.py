@@ -212,7 +212,8 @@ def bitnet_cpp(bench: str, model: str, threads: int, n_prompt: int, n_decode: in
     prefill = float(json.loads(out.stdout)[0]["avg_ts"])
     cli = subprocess.run([str(Path(bench).with_name("llama-cli")), "-m", model, "-f", str(prompt), "-n",
                           str(n_decode + 1), "--ignore-eos", "--temp", "0", "-t", str(threads)],
-                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=True)
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace", timeout=timeout,
+                         check=True)  # (random weights write any bytes, half a character too)
     read = re.search(r"prompt eval time =.*/\s*(\d+) tokens", cli.stderr)
     runs = re.search(r"context_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", cli.stderr)
     if read is None or runs is None:
