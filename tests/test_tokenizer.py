@@ -581,6 +581,8 @@ def test_bpe_word_cache_is_bounded_and_changes_no_ids(monkeypatch: pytest.Monkey
     for _ in range(2):  # the second time from the cache
         assert [tok.encode(t) for t in TEXTS] == want
         assert 0 < len(tok._words) <= 3
+    long = "x" * (T._WORD_CHARS + 1)
+    assert tok.encode(long) == Tokenizer.from_metadata(md).encode(long) and long not in tok._words
 
 
 def test_falcon_e_matches_falcons_hf_pipeline() -> None:

@@ -66,7 +66,9 @@ TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
-_WORD_CACHE = 1 << 16  # byte-level BPE words whose tokens are kept (a prompt repeats most of its words)
+# Byte-level BPE words whose tokens are kept (a prompt repeats most of its words), and the longest kept (a long one is
+# rarely met again, and 1 MB of one word is ~0.5M ids).
+_WORD_CACHE, _WORD_CHARS = 1 << 16, 64
 
 
 @functools.cache
@@ -456,11 +458,8 @@ class Tokenizer:
             return out
         if self._ignore_merges and word in vocab:
             return [vocab[word]]
-        ranks, syms = self._ranks, list(word)
-        n = len(syms)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prev = list(range(-1, n - 1))
+        ranks, syms, n = self._ranks, list(word), len(word)
+        nxt, prev = [*range(1, n), -1], list(range(-1, n - 1))
         heap = [(r, i, i + 1, syms[i] + syms[i + 1]) for i in range(n - 1)
                 if (r := ranks.get(syms[i] + " " + syms[i + 1])) is not None]
         heapq.heapify(heap)
@@ -485,9 +484,10 @@ class Tokenizer:
                 out.append(vocab[piece])
             else:  # (a byte past 0x7F alone is no UTF-8 text, so no token's)
                 out.extend(vocab[chr(b)] for b in piece.encode("utf-8") if b < 0x80 and chr(b) in vocab)
-        if len(self._words) >= _WORD_CACHE:
-            self._words.clear()
-        self._words[word] = out
+        if len(word) <= _WORD_CHARS:
+            if len(self._words) >= _WORD_CACHE:
+                self._words.clear()
+            self._words[word] = out
         return out
 
     def _byte_token(self, b: int) -> int:
