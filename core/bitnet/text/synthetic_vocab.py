@@ -185,12 +185,12 @@ def _synthetic_llama3(vocab_size: int) -> dict[str, Any]:
     learned ones join two short tokens (pseudo-random, seeded), each with its merge; the further merges are other
     splits of a token into two tokens, then pairs of short tokens that spell no token (llama.cpp applies those
     too, then spells the piece in single bytes)."""
+    if vocab_size < LLAMA3_NORMAL + len(_GPT2_SPECIALS):
+        raise ValueError(f"llama3 synthetic vocab needs at least {LLAMA3_NORMAL + len(_GPT2_SPECIALS)} tokens")
     md = _synthetic_gpt2(vocab_size)
     tokens, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]
     n_learned = tokens.index(_GPT2_SPECIALS[0])
     normal = tokens[:n_learned]
-    if vocab_size < LLAMA3_NORMAL + len(_GPT2_SPECIALS):
-        raise ValueError(f"llama3 synthetic vocab needs at least {LLAMA3_NORMAL + len(_GPT2_SPECIALS)} tokens")
     known, rng = set(normal), random.Random(3)
     short = [t for t in normal if t.isalpha() and len(t) <= 3]
     while len(normal) < LLAMA3_NORMAL:

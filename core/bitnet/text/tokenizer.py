@@ -6,7 +6,7 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
   pre-tokenizer regexes (llama.cpp's, chosen by ``tokenizer.ggml.pre``) run in HF ``tokenizers``;
   the rank-ordered merging is llama.cpp's ``llm_tokenizer_bpe_session``, re-implemented here: HF's
   BPE model took 0.3 s to build from a Llama-3-sized vocabulary (128k tokens, 136k merges), as
-  long as llama.cpp's whole load of a 2B-4T file; a table of merge ranks takes ~10 ms.
+  long as llama.cpp's whole load of a 2B-4T file; a table of merge ranks, 0.04 s for 280k merges.
 - ``llama``: SentencePiece-style vocabulary with scores. HF's BPE merges by merge rank,
   not by the score of the merged piece, so it cannot reproduce llama.cpp's
   ``llm_tokenizer_spm``; that algorithm is re-implemented here (it is small).
