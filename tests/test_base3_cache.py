@@ -273,3 +273,18 @@ def test_the_kernels_pack_as_the_reference(tmp_path: Path, rev: bool) -> None:
         pack(b, rev, got)
         ref_pack(b, rev, want)
         np.testing.assert_array_equal(got, want)
+        one = np.empty((1, NB3, 64), np.uint8)
+        for r in range(len(b)):  # a row a call, as a hit checks one (no threads started for it)
+            pack(b[r:r + 1], rev, one)
+            np.testing.assert_array_equal(one[0], want[r])
+
+
+def test_a_hits_check_reads_its_row_typed_as_the_mapped_blocks(tmp_path: Path) -> None:
+    import numba
+
+    write_model(tmp_path / "m.bin", 3)
+    for b in projections(tmp_path / "m.bin"):  # (contiguous as I2_S's, strided as TQ2_0's)
+        row = base3_cache._file_row(b, 2)
+        # Else the packing kernel compiles again for the first hit after an install (~1.6 s).
+        assert numba.typeof(row) == numba.typeof(b)
+        np.testing.assert_array_equal(row[0], b[2])

@@ -175,11 +175,15 @@ def _file_row(b: np.ndarray, row: int) -> np.ndarray:
     """Row `row` of the mapped blocks b [rows, blocks, 64], read from its file, not through the mapping: each page
     read through it would stay mapped (in 2 MB pages, all of 2B-4T's codes for a row of each projection)."""
     base, lo, _ = mapped_span(b)
-    start = int(base.offset) + lo + row * b.strides[0]
-    with open(base.filename, "rb") as f:
-        f.seek(start)
-        raw = np.frombuffer(f.read((b.shape[1] - 1) * b.strides[1] + _BYTES), np.uint8)
-    return np.lib.stride_tricks.as_strided(raw, (1, b.shape[1], _BYTES), (0, b.strides[1], 1)).copy()
+    raw = np.empty((b.shape[1] - 1) * b.strides[1] + _BYTES, np.uint8)
+    fd = os.open(base.filename, os.O_RDONLY)
+    try:
+        if os.preadv(fd, [raw], int(base.offset) + lo + row * b.strides[0]) != raw.size:
+            raise OSError(f"{base.filename} is shorter than its mapping")
+    finally:
+        os.close(fd)
+    # Read-only and strided as the mapped blocks are, so that `pack` runs the code a miss compiled (and the warmup).
+    return np.lib.stride_tricks.as_strided(raw, (1, b.shape[1], _BYTES), (0, b.strides[1], 1), writeable=False)
 
 
 def _write(path: str, key: tuple, index: dict, parts: dict[tuple, np.ndarray]) -> None:

@@ -214,23 +214,30 @@ def pack_base3(blocks: np.ndarray, rev: bool, out: np.ndarray) -> None:
     """out [rows, row_blocks(cols), 64] = the 2-bit codes `blocks` [rows, cols // BLOCK, 64] (byte order; rev: I2_S's)
     packed five to a byte in base 3: byte l of block m is ENCODE[sum_s 3**s * c[320m + 64s + l]] (see dot_ir), columns
     past the row's code 1 (a zero weight; their activations are zero too)."""
-    rows, nb = blocks.shape[0], blocks.shape[1]
-    nb3 = out.shape[1]
-    for r in prange(rows):
-        c = np.empty(nb3 * RB, np.uint8)  # the row's codes in column order
-        for b in range(nb):
-            for f in range(4):
-                shift = 2 * (3 - f if rev else f)
-                for g in range(2):
-                    at = b * BLOCK + 128 * g + 32 * f
-                    for j in range(32):
-                        c[at + j] = (blocks[r, b, 32 * g + j] >> shift) & 3
-        for i in range(nb * BLOCK, nb3 * RB):
-            c[i] = 1
-        for m in range(nb3):
-            for j in range(64):
-                i = m * RB + j
-                out[r, m, j] = ENCODE[c[i] + 3 * c[i + 64] + 9 * c[i + 128] + 27 * c[i + 192] + 81 * c[i + 256]]
+    if blocks.shape[0] == 1:  # (base3_cache's check of a row: starting the threads took 25 us a call)
+        _pack_base3_row(blocks, 0, rev, out)
+        return
+    for r in prange(blocks.shape[0]):
+        _pack_base3_row(blocks, r, rev, out)
+
+
+@njit(inline="always", cache=CACHE)
+def _pack_base3_row(blocks: np.ndarray, r: int, rev: bool, out: np.ndarray) -> None:
+    nb, nb3 = blocks.shape[1], out.shape[1]
+    c = np.empty(nb3 * RB, np.uint8)  # the row's codes in column order
+    for b in range(nb):
+        for f in range(4):
+            shift = 2 * (3 - f if rev else f)
+            for g in range(2):
+                at = b * BLOCK + 128 * g + 32 * f
+                for j in range(32):
+                    c[at + j] = (blocks[r, b, 32 * g + j] >> shift) & 3
+    for i in range(nb * BLOCK, nb3 * RB):
+        c[i] = 1
+    for m in range(nb3):
+        for j in range(64):
+            i = m * RB + j
+            out[r, m, j] = ENCODE[c[i] + 3 * c[i + 64] + 9 * c[i + 128] + 27 * c[i + 192] + 81 * c[i + 256]]
 
 
 @njit(inline="always", cache=CACHE)
