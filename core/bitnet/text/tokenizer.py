@@ -71,6 +71,36 @@ SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 _WORD_CACHE, _WORD_CHARS = 1 << 16, 64
 
 
+def _merge(text: str, priority: Callable[[str, str], float | None]) -> list[str]:
+    """The pieces of `text` after llama.cpp's merge loop (its SPM and BPE sessions alike): from single characters, the
+    adjacent pair of the lowest priority(left, right) merges first (ties: leftmost), until no pair has one. A pair in
+    the queue is stale once either symbol merged since: symbols only grow from where they start, so two live ones
+    whose lengths still add up to the pair's spell what it did."""
+    n = len(text)
+    length, nxt, prev = [1] * n, [*range(1, n), -1], list(range(-1, n - 1))
+    heap: list[tuple[float, int, int, int]] = []
+
+    def add_bigram(left: int, right: int) -> None:
+        if left >= 0 and right >= 0:
+            p = priority(text[left:left + length[left]], text[right:right + length[right]])
+            if p is not None:
+                heapq.heappush(heap, (p, left, right, length[left] + length[right]))
+
+    for i in range(1, n):
+        add_bigram(i - 1, i)
+    while heap:
+        _, left, right, size = heapq.heappop(heap)
+        if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
+            continue
+        length[left], length[right] = size, 0
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prev[nxt[right]] = left
+        add_bigram(prev[left], left)
+        add_bigram(left, nxt[left])
+    return [text[i:i + length[i]] for i in range(n) if length[i]]
+
+
 @functools.cache
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
@@ -397,89 +427,29 @@ class Tokenizer:
         return table
 
     def _spm_tokenize(self, text: str, out: list[int]) -> None:
-        """llama.cpp's llm_tokenizer_spm_session::tokenize on one fragment.
-
-        Start from single characters; repeatedly merge the adjacent pair whose concatenation
-        is the highest-scoring token (ties: leftmost); finally map each symbol to its token
-        or, failing that, to its UTF-8 bytes' ``<0xXX>`` tokens.
-        """
-        n = len(text)
-        if n == 0:
-            return
-        vocab = self._token_to_id
-        scores = self.scores
-        start = list(range(n))
-        length = [1] * n
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        heap: list[tuple[float, int, int, int]] = []
-
-        def add_bigram(left: int, right: int) -> None:
-            if left == -1 or right == -1:
-                return
-            size = length[left] + length[right]
-            tid = vocab.get(text[start[left] : start[left] + size])
-            if tid is not None:
-                heapq.heappush(heap, (-scores[tid], left, right, size))
-
-        for i in range(1, n):
-            add_bigram(i - 1, i)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            # Skip pairs made stale by an earlier merge.
-            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
-                continue
-            length[left] = size
-            length[right] = 0
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            add_bigram(prev[left], left)
-            add_bigram(left, nxt[left])
-
-        i = 0
-        while i != -1:
-            piece = text[start[i] : start[i] + length[i]]
+        """llama.cpp's llm_tokenizer_spm_session::tokenize on one fragment: merge first the adjacent pair whose
+        concatenation is the highest-scoring token (ties: leftmost); map each piece to its token or, failing that,
+        to its UTF-8 bytes' ``<0xXX>`` tokens."""
+        vocab, scores = self._token_to_id, self.scores
+        for piece in _merge(text, lambda a, b: -scores[t] if (t := vocab.get(a + b)) is not None else None):
             tid = vocab.get(piece)
             if tid is not None:
                 out.append(tid)
             else:
                 out.extend(self._byte_token(b) for b in piece.encode("utf-8"))
-            i = nxt[i]
 
     def _bpe_word(self, word: str) -> list[int]:
         """llama.cpp's llm_tokenizer_bpe_session on one pre-tokenized, byte-level word: a whole-vocabulary word
-        is one token (with ignore_merges); else from single characters, the adjacent pair of the lowest merge
-        rank is merged first (ties: leftmost), and a piece no token spells gives the tokens of its single bytes
-        (those that have one). Kept for the next time (in a bounded cache)."""
-        vocab, out = self._token_to_id, self._words.get(word)
+        is one token (with ignore_merges); else the adjacent pair of the lowest merge rank is merged first (ties:
+        leftmost), and a piece no token spells gives the tokens of its single bytes (those that have one). Kept for
+        the next time (in a bounded cache)."""
+        vocab, ranks, out = self._token_to_id, self._ranks, self._words.get(word)
         if out is not None:
             return out
         if self._ignore_merges and word in vocab:
             return [vocab[word]]
-        ranks, syms, n = self._ranks, list(word), len(word)
-        nxt, prev = [*range(1, n), -1], list(range(-1, n - 1))
-        heap = [(r, i, i + 1, syms[i] + syms[i + 1]) for i in range(n - 1)
-                if (r := ranks.get(syms[i] + " " + syms[i + 1])) is not None]
-        heapq.heapify(heap)
-
-        def add_bigram(left: int, right: int) -> None:
-            if left >= 0 and right >= 0 and (r := ranks.get(syms[left] + " " + syms[right])) is not None:
-                heapq.heappush(heap, (r, left, right, syms[left] + syms[right]))
-
-        while heap:
-            _, left, right, text = heapq.heappop(heap)
-            if not syms[left] or not syms[right] or syms[left] + syms[right] != text:
-                continue  # made stale by an earlier merge
-            syms[left], syms[right] = text, ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            add_bigram(prev[left], left)
-            add_bigram(left, nxt[left])
         out = []
-        for piece in filter(None, syms):
+        for piece in _merge(word, lambda a, b: ranks.get(a + " " + b)):
             if piece in vocab:
                 out.append(vocab[piece])
             else:  # (a byte past 0x7F alone is no UTF-8 text, so no token's)
