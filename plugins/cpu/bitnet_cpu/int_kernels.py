@@ -499,44 +499,6 @@ def bitlinear_block256(x: np.ndarray, tasks: np.ndarray, bstride: int, scales: n
 _HEAD_ROWS = 64  # rows whose sums wait for one epilogue: a few hundred cycles of it between their dots
 
 
-@njit(inline="always", cache=CACHE, error_model="numpy")
-def _head_sums(q: np.ndarray, qsum: np.ndarray, table: np.ndarray, lo: int, hi: int, acc: np.ndarray) -> None:
-    """acc [token, r - lo] = the int32 sums of table rows lo..hi - 1 for every token of q: pairs of rows (VNNI, TILE
-    tokens or more), token tiles, and the columns past the last whole CHUNK."""
-    n, dim = q.shape[0], table.shape[1]
-    whole, qstride, wstride = dim // CHUNK, q.strides[0], table.strides[0]
-    r = lo
-    while r < hi:
-        pair = _PAIRS and n >= TILE and r + 1 < hi
-        waddr = table.ctypes.data + r * wstride
-        t0 = 0
-        while t0 < n:
-            nt = min(WIDE, n - t0) if n - t0 > TILE else n - t0
-            qaddr, saddr = q.ctypes.data + t0 * qstride, qsum.ctypes.data + 4 * t0
-            at = acc.ctypes.data + 4 * (t0 * _HEAD_ROWS + r - lo)
-            if pair and nt > TILE:
-                _q8_dot_wide_pair(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
-            elif pair:  # TILE tokens or fewer left: the TILE pass, its extra tokens not stored
-                _q8_dot_pair(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
-            elif nt > TILE:
-                _q8_dot_wide(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
-            elif nt == 1:
-                _q8_dot_1(waddr, whole, qaddr, qstride, 1, at, saddr, wstride, _HEAD_ROWS)
-            elif nt == 2:
-                _q8_dot_2(waddr, whole, qaddr, qstride, 2, at, saddr, wstride, _HEAD_ROWS)
-            else:
-                _q8_dot(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
-            if whole * CHUNK < dim:
-                for i in range(nt):
-                    for j in range(2 if pair else 1):
-                        total = acc[t0 + i, r + j - lo]
-                        for c in range(whole * CHUNK, dim):
-                            total += np.int32(table[r + j, c]) * np.int32(q[t0 + i, c])
-                        acc[t0 + i, r + j - lo] = total
-            t0 += nt
-        r += 2 if pair else 1
-
-
 @njit(parallel=True, cache=CACHE, error_model="numpy")  # no fastmath: the float64 epilogue is the reference's
 def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarray, rows_per_task: int,
                out: np.ndarray) -> None:
@@ -559,15 +521,36 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
         wstride = table.strides[0]
         for lo in range(task * rows_per_task, min(vocab, (task + 1) * rows_per_task), _HEAD_ROWS):
             hi = min(vocab, (task + 1) * rows_per_task, lo + _HEAD_ROWS)
-            if n == 1 and whole * CHUNK == dim:
-                # One token, whole chunks: nothing but the dots in the loop, as the F16 head's one-token pass. Alone,
-                # a Zen 5 thread's head read 37.6-40.3 GB/s of the model's table against 36.0-38.6 through the general
-                # loop (a plain read: 42-44); inside a decode step it took 8.87-8.92 ms against 8.89-8.96.
-                for r in range(lo, hi):
-                    _q8_dot_1(table.ctypes.data + r * wstride, whole, q.ctypes.data, qstride, 1,
-                              acc.ctypes.data + 4 * (r - lo), qsum.ctypes.data, wstride, _HEAD_ROWS)
-            else:
-                _head_sums(q, qsum, table, lo, hi, acc)
+            r = lo
+            while r < hi:
+                pair = _PAIRS and n >= TILE and r + 1 < hi
+                waddr = table.ctypes.data + r * wstride
+                t0 = 0
+                while t0 < n:
+                    nt = min(WIDE, n - t0) if n - t0 > TILE else n - t0
+                    qaddr, saddr = q.ctypes.data + t0 * qstride, qsum.ctypes.data + 4 * t0
+                    at = acc.ctypes.data + 4 * (t0 * _HEAD_ROWS + r - lo)
+                    if pair and nt > TILE:
+                        _q8_dot_wide_pair(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
+                    elif pair:  # TILE tokens or fewer left: the TILE pass, its extra tokens not stored
+                        _q8_dot_pair(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
+                    elif nt > TILE:
+                        _q8_dot_wide(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
+                    elif nt == 1:
+                        _q8_dot_1(waddr, whole, qaddr, qstride, 1, at, saddr, wstride, _HEAD_ROWS)
+                    elif nt == 2:
+                        _q8_dot_2(waddr, whole, qaddr, qstride, 2, at, saddr, wstride, _HEAD_ROWS)
+                    else:
+                        _q8_dot(waddr, whole, qaddr, qstride, nt, at, saddr, wstride, _HEAD_ROWS)
+                    if whole * CHUNK < dim:
+                        for i in range(nt):
+                            for j in range(2 if pair else 1):
+                                total = acc[t0 + i, r + j - lo]
+                                for c in range(whole * CHUNK, dim):
+                                    total += np.int32(table[r + j, c]) * np.int32(q[t0 + i, c])
+                                acc[t0 + i, r + j - lo] = total
+                    t0 += nt
+                r += 2 if pair else 1
             rows = scale[lo:hi]
             for t in range(n):
                 o, st = out[t, lo:hi], np.float64(s[t])
