@@ -254,6 +254,34 @@ def test_a_few_tokens_run_through_the_layers_in_one_region_as_their_operations_w
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_one_tokens_runs_of_tasks_give_each_tasks_floats(level: str) -> None:
+    # token_tasks runs each run of tasks adjacent in memory and in the output as one loop of dots: its floats are
+    # rowscale_task's, task by task, in order (one run across two arrays where they are adjacent), reversed (no
+    # runs), with a task's rows moved in memory (its output still next) and with its output moved (its rows still
+    # next): a run ends at either.
+    p, k = provider(1, level), isa.kernels(level)
+    rng = np.random.default_rng(41)
+    w = p.upload_ternary_group([ternary(rng, 200, 512, False), ternary(rng, 100, 512, False)])
+    tasks, bstride, cols = w.row_tasks, w.row_bstride, 512
+    nb, rev = k.row_blocks(cols), w.fields_reversed
+    q, s, qsum, qtot = k._activations(1, cols)
+    k._quantize((rng.standard_normal((1, cols)) * 3).astype(np.float32), rev, q, s, qsum, qtot)
+    scales = np.tile(w.row_scales, 3)  # room for an output moved past the stack
+    rows_moved, out_moved = tasks.copy(), tasks.copy()
+    rows_moved[1, 0] += 8 * rows_moved[1, 1]  # task 1 reads 8 rows further on
+    out_moved[1, 4] += 300  # task 1 writes 300 rows further on
+    for table in (tasks, tasks[::-1].copy(), rows_moved, out_moved):
+        want, got = np.zeros(len(scales), np.float32), np.zeros(len(scales), np.float32)
+        isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, 64), np.int32)
+        for task in range(len(table)):
+            k.rowscale_task(table, task, nb, bstride, q, qtot, s, scales, want, 1, isum, acc)
+        k.token_tasks(table, 0, len(table), nb, bstride, q, qtot, s, scales, got, isum,
+                      np.empty((1, 1, len(scales)), np.int32))
+        assert np.count_nonzero(want) > 250
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8"])
 def test_a_long_sequences_attention_in_parts_runs_in_the_region_as_the_operation_would(
         cpu: CpuProvider, kv_type: str) -> None:

@@ -30,6 +30,10 @@ _PART = 8  # int64s apart: each counter of `_claimed_tasks` on its own 64-byte l
 # L2 measured (512 KB, Zen 1-3), beside what a step keeps there. On the Emerald Rapids Xeon (2 MB L2) 256 KB to
 # 2 MB did the same, 64 KB half as much.
 FETCH_BYTES = 256 * 1024
+# Parts of its share a thread claims at a time for one token, so that a thread done early can take what another has
+# not started (a thread alone claims all). A Zen 5's 2-thread decode step, projections: 5.37-5.42 ms claiming whole
+# shares, 5.44-5.50 in 4 parts, 5.51-5.54 in 16, 6.31-6.34 task by task (64 rows each).
+TOKEN_CLAIMS = 4
 
 
 @njit(inline="always", cache=CACHE)
@@ -41,20 +45,28 @@ def _share(n_tasks: int, part: int, n_parts: int) -> tuple[int, int]:
 @njit(cache=CACHE, error_model="numpy")
 def _claimed_tasks(part: int, n_parts: int, ctrl: np.ndarray, base: int, tasks: np.ndarray, nb: int, bstride: int,
                    q: np.ndarray, qtot: np.ndarray, s: np.ndarray, row_scale: np.ndarray, out: np.ndarray, kb: int,
-                   isum: np.ndarray, acc: np.ndarray) -> int:
-    """Tasks of one BitLinear, claimed one at a time: first from this part's contiguous share (each thread
-    streams its own rows; tasks dealt alternately made two threads 1.25x slower than the calls), then from the
-    others'. Returns how many this thread ran."""
+                   isum: np.ndarray, acc: np.ndarray, sums: np.ndarray) -> int:
+    """Tasks of one BitLinear, claimed from this part's contiguous share first (each thread streams its own rows;
+    tasks dealt alternately made two threads 1.25x slower than the calls), then from the others'. One token claims
+    a share in TOKEN_CLAIMS parts (a thread alone all of it), each through `token_tasks`; more tokens one task at
+    a time. Returns how many
+    tasks this thread ran."""
     ran = 0
+    one = q.shape[0] == 1
     for h in range(n_parts):
         share = (part + h) % n_parts
         lo, hi = _share(len(tasks), share, n_parts)
+        step = max(1, -(-(hi - lo) // (1 if n_parts == 1 else TOKEN_CLAIMS))) if one else 1
         while True:
-            k = lo + atomics.fetch_add(ctrl, base + _PART * share, 1)
+            k = lo + atomics.fetch_add(ctrl, base + _PART * share, step)
             if k >= hi:
                 break
-            rowscale_task(tasks, k, nb, bstride, q, qtot, s, row_scale, out, kb, isum, acc)
-            ran += 1
+            end = min(hi, k + step)
+            if one:
+                token_tasks(tasks, k, end, nb, bstride, q, qtot, s, row_scale, out, isum, sums)
+            else:
+                rowscale_task(tasks, k, nb, bstride, q, qtot, s, row_scale, out, kb, isum, acc)
+            ran += end - k
     return ran
 
 
@@ -76,6 +88,15 @@ def _most_rows(a: np.ndarray, b: np.ndarray) -> int:
         for k in range(len(tasks)):
             rows = max(rows, tasks[k, 3] - tasks[k, 2])
     return rows
+
+
+@njit(inline="always", cache=CACHE)
+def _height(tasks: np.ndarray) -> int:
+    """The rows of the stack a table's tasks cover, top row + 1 (a plain loop, as _counters)."""
+    top = 0
+    for k in range(len(tasks)):
+        top = max(top, tasks[k, 4] + tasks[k, 3])
+    return top
 
 
 @njit(inline="always", cache=CACHE)
@@ -172,7 +193,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
     """One thread's way through layers_row_rowscale's layers: its arguments and buffers, grouped. A function of its
     own, called from the parallel loop: numba's parallel-loop passes over a body this size had compiled for 21 s
     (of a first run's 49 s on an empty kernel cache, 30 s now)."""
-    ctrl, marks, rows, weights, norms, dims, rope_cache, buffers, acts = state
+    ctrl, marks, (rows, height), weights, norms, dims, rope_cache, buffers, acts = state
     (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
      gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev) = weights
     attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2 = norms
@@ -183,6 +204,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
     (n, dim), n_layers = xs.shape, qkv_tasks.shape[0]
     per_layer = _PART * (_SHARES + 4 * n_parts)
     isum, acc = np.empty(2 * WIDE, np.int32), np.empty((WIDE, 1, rows), np.int32)
+    sums = np.empty((1, 1, height), np.int32)  # (one token's, see token_tasks)
     no_record = np.empty(0, np.int64)  # (_fetch_ahead's record: none here)
     for layer in range(n_layers):
         m = marks[layer, part]
@@ -193,7 +215,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
             _wait_fetching(ctrl, c - per_layer + _PART * _LAYER_OUT, qkv_tasks[layer], part, n_parts, no_record)
         m[ph.QKV] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share, qkv_tasks[layer], row_blocks(dim), qkv_bstride, qd,
-                             qtotd, sd, qkv_scale[layer], qkv, kb_dim, isum, acc)
+                             qtotd, sd, qkv_scale[layer], qkv, kb_dim, isum, acc, sums)
         m[ph.QKV_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _QKV_DONE, ran, len(qkv_tasks[layer])):
             k0, v0 = n * q_rows, n * (q_rows + kv_rows)
@@ -224,7 +246,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
         _wait_fetching(ctrl, c + _PART * _WO_IN, wo_tasks[layer], part, n_parts, no_record)
         m[ph.WO] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + _PART * n_parts, wo_tasks[layer], row_blocks(q_rows),
-                             wo_bstride, qo, qtoto, so, wo_scale[layer], attended, kb_q, isum, acc)
+                             wo_bstride, qo, qtoto, so, wo_scale[layer], attended, kb_q, isum, acc, sums)
         m[ph.WO_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _WO_DONE, ran, len(wo_tasks[layer])):
             _add(xs, attended)
@@ -235,7 +257,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
         _wait_fetching(ctrl, c + _PART * _GU_IN, gu_tasks[layer], part, n_parts, no_record)
         m[ph.GATE_UP] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + 2 * _PART * n_parts, gu_tasks[layer], row_blocks(dim),
-                             gu_bstride, qd, qtotd, sd, gu_scale[layer], gu, kb_dim, isum, acc)
+                             gu_bstride, qd, qtotd, sd, gu_scale[layer], gu, kb_dim, isum, acc, sums)
         m[ph.GATE_UP_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _GU_DONE, ran, len(gu_tasks[layer])):
             fk.act_mul(gu[:n * hidden].reshape((n, hidden)), gu[n * hidden:].reshape((n, hidden)), relu2, f)
@@ -247,7 +269,7 @@ def _stack_part(part: int, n_parts: int, state: tuple) -> None:
         _wait_fetching(ctrl, c + _PART * _DOWN_IN, d_tasks[layer], part, n_parts, no_record)
         m[ph.DOWN] = atomics.cycles()
         ran = _claimed_tasks(part, n_parts, ctrl, share + 3 * _PART * n_parts, d_tasks[layer], row_blocks(hidden),
-                             d_bstride, qf, qtotf, sf, d_scale[layer], down, kb_hidden, isum, acc)
+                             d_bstride, qf, qtotf, sf, d_scale[layer], down, kb_hidden, isum, acc, sums)
         m[ph.DOWN_DONE] = atomics.cycles()
         if _last(ctrl, c + _PART * _DOWN_DONE, ran, len(d_tasks[layer])):
             _add(xs, down)
@@ -310,6 +332,7 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
     per_layer = _PART * (_SHARES + 4 * n_parts)
     ctrl = _counters(per_layer * n_layers)
     rows = max(_most_rows(qkv_tasks[0], wo_tasks[0]), _most_rows(gu_tasks[0], d_tasks[0]))
+    height = max(_height(qkv_tasks[0]), _height(wo_tasks[0]), _height(gu_tasks[0]), _height(d_tasks[0]))
     att_tasks = attn.attention_tasks(positions, n_kv_heads)
     part_o, part_top, part_den = attn.part_buffers(att_tasks, n_heads // n_kv_heads, head_dim)
     # (A tuple holding arrays cannot enter numba's parallel loop: rebuilt inside. The index as int64: numba types a
@@ -317,8 +340,9 @@ def layers_row_rowscale(x: np.ndarray, attn_norm: np.ndarray, attn_sub: np.ndarr
     # _stack_part for both, 14 of the region's 55 s on a Zen 5.)
     for part in prange(n_parts):
         _stack_part(np.int64(part), n_parts, (
-            ctrl, marks, rows, (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
-                         gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev),
+            ctrl, marks, (rows, height),
+            (qkv_tasks, qkv_bstride, qkv_scale, qkv_rev, wo_tasks, wo_bstride, wo_scale, wo_rev,
+             gu_tasks, gu_bstride, gu_scale, gu_rev, d_tasks, d_bstride, d_scale, d_rev),
             (attn_norm, attn_sub, ffn_norm, ffn_sub, has_attn_sub, has_ffn_sub, eps, relu2),
             (q_rows, kv_rows, hidden, n_heads, n_kv_heads, head_dim, kb_dim, kb_q, kb_hidden),
             (cos, sin, keys, values, width, slots, positions, att_tasks, part_o, part_top, part_den),
