@@ -405,31 +405,6 @@ def rowscale_task(tasks: np.ndarray, task: int, nb: int, bstride: int, q: np.nda
         t0 += nt
 
 
-@njit(inline="always", cache=CACHE)
-def token_tasks(tasks: np.ndarray, k0: int, k1: int, nb: int, bstride: int, q: np.ndarray, qtot: np.ndarray,
-                s: np.ndarray, row_scale: np.ndarray, out: np.ndarray, isum: np.ndarray, sums: np.ndarray) -> None:
-    """Tasks k0..k1 - 1 of matmul_rowscale for one token (q [1, cols]): each run of them whose rows follow each other
-    in memory and in out goes through one loop of its rows' dots, then through rowscale_task's epilogue. sums [1, 1,
-    the stack's height] holds row j's int32 sum at j. Task by task, each with its own epilogue, a Zen 5's one-thread
-    decode step had taken 11.5-11.9 ms in its projections against 10.6 so."""
-    st, qt = np.float64(s[0]), qtot[0]
-    k = k0
-    while k < k1:
-        wstride = tasks[k, 1]
-        at, o0, rows = tasks[k, 0] + tasks[k, 2] * wstride, tasks[k, 4] + tasks[k, 2], tasks[k, 3] - tasks[k, 2]
-        k += 1
-        while (k < k1 and tasks[k, 1] == wstride and tasks[k, 0] + tasks[k, 2] * wstride == at + rows * wstride
-               and tasks[k, 4] + tasks[k, 2] == o0 + rows):
-            rows += tasks[k, 3] - tasks[k, 2]
-            k += 1
-        _row_sums(at, wstride, 0, rows, nb, bstride, q.ctypes.data, q.strides[0], 1, isum, sums[:, :, o0:])
-        # Indexed from 0, not from o0: an index LLVM cannot prove non-negative (numba wraps negative ones) had made
-        # this loop gathers and scatters, 0.8 ms of a one-thread decode step on a Zen 5.
-        o, total, scale = out[o0:o0 + rows], sums[0, 0, o0:o0 + rows], row_scale[o0:o0 + rows]
-        for j in range(rows):
-            o[j] = np.float32((np.float64(total[j]) - qt) * np.float64(scale[j]) / st)
-
-
 @njit(parallel=True, inline="always", cache=CACHE, error_model="numpy")
 def matmul_rowscale(tasks: np.ndarray, nb: int, bstride: int, q: np.ndarray, qsum: np.ndarray, s: np.ndarray,
                     row_scale: np.ndarray, out: np.ndarray, wide_bytes: int) -> None:
@@ -522,6 +497,7 @@ def bitlinear_block256(x: np.ndarray, tasks: np.ndarray, bstride: int, scales: n
 # -- the int8 LM head ---------------------------------------------------------------------------------
 
 _HEAD_ROWS = 64  # rows whose sums wait for one epilogue: a few hundred cycles of it between their dots
+_TOKEN_ROWS = 4096  # one token's rows a task (see lm_head_q8)
 
 
 @njit(parallel=True, cache=CACHE, error_model="numpy")  # no fastmath: the float64 epilogue is the reference's
@@ -541,6 +517,27 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
     for t in range(n):
         for c in range(whole * CHUNK):
             qsum[t] += q[t, c]
+    if n == 1:
+        # One token: a task's rows through one loop of their dots, then one epilogue. Through the general loop below
+        # (64-row groups) a Zen 5 thread had read 38.6-39.1 GB/s of 2B-4T's table; so, 41.2-42.5 (a plain read of
+        # it: 43-44 GB/s).
+        for task in prange((vocab + _TOKEN_ROWS - 1) // _TOKEN_ROWS):
+            lo, hi = task * _TOKEN_ROWS, min(vocab, (task + 1) * _TOKEN_ROWS)
+            acc1 = np.empty(hi - lo, np.int32)
+            wstride = table.strides[0]
+            for r in range(lo, hi):
+                _q8_dot_1(table.ctypes.data + r * wstride, whole, q.ctypes.data, qstride, 1,
+                          acc1.ctypes.data + 4 * (r - lo), qsum.ctypes.data, wstride, 1)
+            if whole * CHUNK < dim:
+                for r in range(lo, hi):
+                    total = acc1[r - lo]
+                    for c in range(whole * CHUNK, dim):
+                        total += np.int32(table[r, c]) * np.int32(q[0, c])
+                    acc1[r - lo] = total
+            rows, o, st = scale[lo:hi], out[0, lo:hi], np.float64(s[0])
+            for j in range(hi - lo):
+                o[j] = np.float32(np.float64(acc1[j]) * np.float64(rows[j]) / st)
+        return
     for task in prange((vocab + rows_per_task - 1) // rows_per_task):
         acc = np.empty((n, _HEAD_ROWS), np.int32)  # the passes store [token, row] sums straight into it
         wstride = table.strides[0]
