@@ -48,7 +48,7 @@ def token_tasks(tasks: np.ndarray, k0: int, k1: int, nb: int, bstride: int, q: n
     """Tasks k0..k1 - 1 of matmul_rowscale for one token (q [1, cols]): each run of them whose rows follow each other
     in memory and in out goes through one loop of its rows' dots, then through rowscale_task's epilogue. sums [1, 1,
     the stack's height] holds row j's int32 sum at j. Task by task, each with its own epilogue, a Zen 5's one-thread
-    decode step had taken 11.5-11.9 ms in its projections against 10.6 so."""
+    decode step had taken 11.3-11.5 ms in its projections against 10.4-10.5 so."""
     st, qt = np.float64(s[0]), qtot[0]
     k = k0
     while k < k1:
@@ -74,8 +74,7 @@ def _claimed_tasks(part: int, n_parts: int, ctrl: np.ndarray, base: int, tasks: 
     """Tasks of one BitLinear, claimed from this part's contiguous share first (each thread streams its own rows;
     tasks dealt alternately made two threads 1.25x slower than the calls), then from the others'. One token claims
     a share in TOKEN_CLAIMS parts (a thread alone all of it), each through `token_tasks`; more tokens one task at
-    a time. Returns how many
-    tasks this thread ran."""
+    a time. Returns how many tasks this thread ran."""
     ran = 0
     one = q.shape[0] == 1
     for h in range(n_parts):
