@@ -100,6 +100,20 @@ def cpu_env(monkeypatch: pytest.MonkeyPatch, bitnet_cache_dir: str) -> None:
     monkeypatch.setenv("BITNET_DEVICE", "cpu")
 
 
+def _cpu_params() -> list[tuple[str, int]]:
+    from bitnet_cpu import isa
+
+    return [(level, n) for level in isa.host_levels() for n in (1, 2)]
+
+
+@pytest.fixture(params=_cpu_params(), ids=[f"{level}-{n}thread" for level, n in _cpu_params()])
+def cpu(request: pytest.FixtureRequest):
+    """A CPU provider at each level this host runs, with 1 and 2 threads (ternary kernels)."""
+    from cpu_support import provider
+
+    return provider(request.param[1], request.param[0])
+
+
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def cpu_float(request: pytest.FixtureRequest):
     """A CPU provider at the host's level, with 1 and 2 threads (float kernels: one build for every level)."""
