@@ -507,7 +507,8 @@ def lm_head_q8(q: np.ndarray, s: np.ndarray, table: np.ndarray, scale: np.ndarra
 
     Up to WIDE tokens share each pass over a table row (the row stays in L1); the columns past the last
     whole CHUNK are summed here. The float epilogue runs over a task's rows in SIMD once their sums
-    are done (see _make_sums; s is 127/max|x| or 1, never 0).
+    are done (see _make_sums; s is 127/max|x| or 1, never 0). One token takes tasks of _TOKEN_ROWS rows,
+    whatever rows_per_task says.
     """
     vocab, dim = table.shape
     n = q.shape[0]
