@@ -152,32 +152,3 @@ def test_import_bitnet_stays_light() -> None:
     code = "import sys, bitnet; assert 'numpy' not in sys.modules; assert callable(bitnet.load)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_load_pauses_the_garbage_collector_and_restores_it(cpu_env: None, monkeypatch: pytest.MonkeyPatch,
-                                                           enabled: bool) -> None:
-    import gc
-
-    import bitnet
-    from bitnet.modelfile import model
-
-    during = []
-    real = model.load_model
-
-    def load_model(*args: object, **kwargs: object) -> model.Model:
-        during.append(gc.isenabled())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(model, "load_model", load_model)
-    was = gc.isenabled()
-    (gc.enable if enabled else gc.disable)()
-    try:
-        with bitnet.load():
-            assert gc.isenabled() == enabled
-        with pytest.raises(UsageError):  # an error leaves it as it was too
-            bitnet.load(n_ctx=0)
-        assert gc.isenabled() == enabled
-    finally:
-        (gc.enable if was else gc.disable)()
-    assert during == [False]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import gc
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -31,22 +29,6 @@ if TYPE_CHECKING:
     from bitnet.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_CTX = 4096
-
-
-def _collector_paused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn run with Python's cyclic garbage collector off, then back as it was. A load allocates about half a million
-    objects (the vocabulary's strings and dicts, numba's classes as it is imported) and frees almost none: the
-    collector's passes over them found nothing and cost 20-30 ms of a 0.32 s load (2B-4T file, Zen 5 EPYC)."""
-    @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Any:
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-    return paused
 
 
 @dataclass
@@ -77,7 +59,6 @@ class Stats:
         return {**asdict(self), "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps}
 
 
-@_collector_paused
 def load(path: str | os.PathLike[str] | None = None, device: str | None = None, n_ctx: int | None = None,
          act_quant: str = "row", progress: Callable[[int, int], None] | None = None,
          chat_template: str | None = None, n_seqs: int = 1, lm_head: str = "auto", kv_type: str = "f32") -> Engine:
