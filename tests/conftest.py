@@ -91,12 +91,19 @@ def bitnet_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("bitnet-cache"))
 
 
+@pytest.fixture(autouse=True)
+def own_cache_dir(monkeypatch: pytest.MonkeyPatch, bitnet_cache_dir: str) -> None:
+    """Every test's caches in the worker's temporary directory, never the user's (~/.cache/bitnet): a test that
+    loaded a 254 MB file without one had added an entry to the user's gguf-load/ on each run, and the oldest
+    entries there, those of the user's own models, made room for them."""
+    monkeypatch.setenv("BITNET_CACHE_DIR", bitnet_cache_dir)
+
+
 @pytest.fixture
-def cpu_env(monkeypatch: pytest.MonkeyPatch, bitnet_cache_dir: str) -> None:
-    """Run on the CPU backend, with the default model cached under a temporary directory."""
+def cpu_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run on the CPU backend (with the caches of `own_cache_dir`)."""
     for name in BITNET_ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("BITNET_CACHE_DIR", bitnet_cache_dir)
     monkeypatch.setenv("BITNET_DEVICE", "cpu")
 
 

@@ -113,7 +113,7 @@ def test_tq2_0_blocks_of_different_scales(cache: Path, tmp_path: Path, monkeypat
 
 
 def test_engine_tokenizes_the_same_from_the_cache(cpu_env: None, cache: Path, tmp_path: Path) -> None:
-    import bitnet  # (cpu_env first: it sets a BITNET_CACHE_DIR of its own, `cache` then ours)
+    import bitnet  # (`cache` sets a BITNET_CACHE_DIR after `own_cache_dir`: ours)
 
     path = write(tmp_path / "m.gguf")
     with bitnet.load(str(path)) as e:
@@ -361,3 +361,9 @@ def test_map_pages_maps_the_int8_head_it_is_given(cache: Path, tmp_path: Path) -
     before = _rss_file_kb()
     map_pages(m, False, [head]).join()
     assert (_rss_file_kb() - before) * 1024 >= 0.9 * head.nbytes
+
+
+def test_no_test_writes_into_the_users_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from bitnet.plugins.types import cache_dir
+
+    assert cache_dir().is_relative_to(tmp_path_factory.getbasetemp())
