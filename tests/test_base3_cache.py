@@ -232,6 +232,24 @@ def test_the_entries_of_the_newest_files_are_kept(cache: Path, tmp_path: Path, m
     assert calls == [1, 1]  # the newest is a hit
 
 
+def test_a_hit_keeps_its_entry_before_those_used_less_recently(cache: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base3_cache, "MAX_FILES", 2)
+    entries = []
+    for i in range(3):
+        write_model(tmp_path / f"m{i}.bin", i)
+        entries.append(base3_cache._entry_file(str(tmp_path / f"m{i}.bin")))
+    for i in range(2):
+        load(tmp_path / f"m{i}.bin")
+        os.utime(entries[i], (i + 1, i + 1))  # in this order, whatever the clock's resolution
+    new_process(monkeypatch)
+    calls: list[int] = []
+    load(tmp_path / "m0.bin", calls=calls)
+    assert calls == [1, 1]  # a hit
+    load(tmp_path / "m2.bin")
+    assert sorted(cache.glob("base3/*.bin")) == sorted([entries[0], entries[2]])
+
+
 @pytest.mark.skipif("avx512vbmi" not in isa.host_levels(), reason="this CPU lacks AVX-512 VBMI")
 @pytest.mark.parametrize("level", ["avx512vbmi", "avx512vnni"])
 def test_a_load_maps_the_codes_its_level_reads(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -233,6 +233,20 @@ def test_old_entries_are_pruned(cache: Path, tmp_path: Path, monkeypatch: pytest
     assert load_cache.lookup(str(paths[-1]), load_cache.identity(str(paths[-1]))) is not None
 
 
+def test_a_hit_keeps_its_entry_before_those_used_less_recently(cache: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(load_cache, "MAX_ENTRIES", 2)
+    paths = [write(tmp_path / f"m{i}.gguf", seed=i) for i in range(3)]
+    for i, p in enumerate(paths[:2]):
+        load_model(p)
+        os.utime(load_cache._entry_file(str(p)), (i + 1, i + 1))  # in this order, whatever the clock's resolution
+    parsed = read_whole(monkeypatch)
+    load_model(paths[0])
+    assert parsed == []  # a hit
+    load_model(paths[2])
+    assert entries(cache) == sorted(load_cache._entry_file(str(p)) for p in (paths[0], paths[2]))
+
+
 def test_concurrent_writers_in_threads(cache: Path, tmp_path: Path) -> None:
     path = write(tmp_path / "m.gguf")
     want = load_model(path)

@@ -58,6 +58,24 @@ def test_a_second_load_maps_the_table_the_first_built(cache: Path, tmp_path: Pat
     assert len(list(cache.glob("*.bin"))) == 1
 
 
+def test_a_hit_keeps_its_entry_before_those_used_less_recently(cache: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(q8_cache, "MAX_ENTRIES", 2)
+    tables = []
+    for i in range(3):
+        write_table(tmp_path / f"m{i}.gguf", i)
+        tables.append(mapped(tmp_path / f"m{i}.gguf"))
+    entry = [q8_cache._entry_file(q8_cache._key(t)) for t in tables]
+    build = Builds()
+    for i in range(2):
+        q8_cache.table(tables[i], build)
+        os.utime(entry[i], (i + 1, i + 1))  # in this order, whatever the clock's resolution
+    q8_cache.table(tables[0], build)
+    assert build.calls == 2  # a hit
+    q8_cache.table(tables[2], build)
+    assert sorted(cache.glob("*.bin")) == sorted([entry[0], entry[2]])
+
+
 def test_a_mapped_tables_codes_start_on_a_cache_line(cache: Path, tmp_path: Path) -> None:
     # 300 rows of scales end 48 bytes into a line: the codes are padded past them.
     path = tmp_path / "m.bin"

@@ -18,7 +18,7 @@ Entries live in BITNET_CACHE_DIR (default ~/.cache/bitnet) under gguf-load/, one
 written to a temporary file and renamed into place, so concurrent loads (parallel test workers, two
 servers) never see half an entry. Only files of at least MIN_FILE_BYTES are cached: smaller ones load
 in milliseconds anyway. At most MAX_ENTRIES are kept (about 5 MB each for a 128k vocabulary); the
-oldest go first.
+least recently used go first (a hit marks its entry used).
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def lookup(path: str, ident: Identity | None) -> Entry | None:
                 and isinstance(tensors, list)):
             return None
         md = {k: v[0].split("\0") if isinstance(v, tuple) else v for k, v in md.items()}
+        used(_entry_file(path))
         return Entry(ident, header_end, hh, md, tensors)
     except Exception:  # a missing, unreadable or corrupt entry is a miss, never an error
         return None
@@ -136,8 +137,8 @@ def _digest(body: bytes) -> bytes:
 
 def write_entry(target: Path, fill: Callable[[BinaryIO], object], keep: int) -> None:
     """Write a cache entry (fill writes its bytes) through a temporary file renamed into place, so that
-    readers see the old entry or the new one, never part of one; then keep the `keep` newest entries
-    of its directory. Raises OSError."""
+    readers see the old entry or the new one, never part of one; then keep the `keep` entries of its directory
+    written or `used` last. Raises OSError."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
     try:
@@ -150,6 +151,15 @@ def write_entry(target: Path, fill: Callable[[BinaryIO], object], keep: int) -> 
     entries = sorted(target.parent.glob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
     for old in entries[:max(0, len(entries) - keep)]:
         old.unlink(missing_ok=True)
+
+
+def used(entry: Path) -> None:
+    """Mark a cache entry as just used, so that `write_entry` lets others go first: with the entries kept in the
+    order they were written, the model a user loads every day would go before files loaded once since."""
+    try:
+        os.utime(entry)
+    except OSError:  # a read-only cache: it is never written either
+        pass
 
 
 @functools.cache

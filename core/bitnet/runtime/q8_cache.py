@@ -11,7 +11,7 @@ its shape and dtype, and a stamp of the code that defines the quantization. A hi
 against its source: a spread of rows is quantized again with the reference's rule and must match the
 entry to the bit, so a stale or damaged entry is a miss that rebuilds it, not a wrong head. Entries
 are written to a temporary file and renamed into place (concurrent loads never see half of one);
-at most MAX_ENTRIES are kept, the oldest go first. Only tables of files the load cache would take
+at most MAX_ENTRIES are kept, the least recently used go first. Only tables of files the load cache would take
 (load_cache.MIN_FILE_BYTES) are cached; a failure to write is ignored.
 """
 
@@ -96,6 +96,7 @@ def _read(entry: Path, key: tuple, head: np.ndarray) -> Q8Table | None:
     release_pages(head)  # the rows read, and the pages the kernel's read-around mapped beside them
     if not (np.array_equal(ref.q, q[rows]) and np.array_equal(ref.scale.view(np.uint32), scale[rows].view(np.uint32))):
         return None
+    load_cache.used(entry)
     return Q8Table(q, scale)
 
 

@@ -12,8 +12,8 @@ replacement of the file is a miss) and a stamp of the code that packs; inside it
 by its byte range, shape and strides in the file, its byte order and its blocks. A hit is also checked against its
 source: one row of each projection, read from the file, is packed again and must match the entry to the bit, so a
 stale or damaged entry is a miss that packs again, not wrong weights. Entries are written to a temporary file and
-renamed into place (concurrent loads never see half of one); at most MAX_FILES are kept, the oldest go first. Only
-files the load cache takes (load_cache.MIN_FILE_BYTES) are cached; a failure to write is ignored.
+renamed into place (concurrent loads never see half of one); at most MAX_FILES are kept, the least recently used go
+first. Only files the load cache takes (load_cache.MIN_FILE_BYTES) are cached; a failure to write is ignored.
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def _read(entry: Path, key: tuple) -> tuple[tuple, dict, np.ndarray] | None:
         # Copy-on-write: writable arrays (the kernels' compiled signature) that never write the file.
         codes = np.memmap(entry, np.uint8, mode="c")
         huge_pages.advise(codes)
+        load_cache.used(entry)
         return key, index, codes
     except Exception:  # missing, unreadable, truncated or another format: a miss, never an error
         return None
