@@ -9,9 +9,10 @@ also reads 512 MB on its own threads after it decodes: a process's memory stays 
 the shared hosts, and decode's share of that read is its share of what its own process could read. A multiply
 probe (the int8 multiply-add instruction of the kernels' ISA level, registers only, best of all runs)
 gives prefill's: the ternary products of one token over the probed products/s. The
-first-run JIT cost (empty numba cache) is measured once. "ready" is the load plus what the
-first forward pass costs beyond the same pass run again (work an engine defers past load: for
-ours, the linking of numba's cached kernels; llama.cpp has next to none). Load starts before the
+first-run JIT cost (empty numba cache) is measured once. "ready" is the time from the same start to the end of the
+first forward pass, less what the same pass takes run again: what an engine defers past load counts, wherever it
+lands (for ours, the linking of numba's cached kernels; a garbage collection the load put off would land in the
+prompt's ids, made in between; llama.cpp has next to none). Load starts before the
 engine's package is imported (NumPy, which both use, is already in): `import llama_cpp` loads
 llama.cpp's shared libraries (0.11 s on the 2-core EPYC), as our load imports numba.
 Below each thread count's table, our layer stack's decode step split by phase (the region's own cycle stamps,
@@ -63,25 +64,26 @@ def _ids(n: int, vocab: int) -> list[int]:
     return [int(i) for i in np.random.default_rng(SEED).integers(0, vocab // 2, n)]
 
 
-def _warm_up(step: Callable[[], None], reset: Callable[[], None]) -> tuple[float, float]:
-    """The warm-up steps' time, and what they cost beyond the same steps run again: work an engine left
-    for its first forward pass (numba's cached-kernel linking; first page touches)."""
+def _warm_up(step: Callable[[], None], reset: Callable[[], None], start: float) -> tuple[float, float]:
+    """The warm-up steps' time, and the time from `start` (the load's) to their end less the same steps run again:
+    the load and whatever it left for later, up to the first forward pass (numba's cached-kernel linking, first
+    page touches, a deferred collection)."""
     t0 = time.perf_counter()
     step()
-    warm_s = time.perf_counter() - t0
+    end = time.perf_counter()
     reset()
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     step()
-    again_s = time.perf_counter() - t0
+    again_s = time.perf_counter() - t1
     reset()
-    return warm_s, max(0.0, warm_s - again_s)
+    return end - t0, end - start - again_s
 
 
 def _finish(load_s: float, warm: tuple[float, float], n_prompt: int, prefill_s: float, n_decode: int,
             decode_s: float) -> dict[str, Any]:
     import resource
 
-    return {"load_s": load_s, "warmup_s": warm[0], "first_use_s": warm[1], "ready_s": load_s + warm[1],
+    return {"load_s": load_s, "warmup_s": warm[0], "ready_s": warm[1],
             "prefill_tps": n_prompt / prefill_s,
             "decode_tps": n_decode / decode_s,
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -99,9 +101,6 @@ def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_hea
     load_s = time.perf_counter() - t0
     tr, p = eng.transformer, eng.provider
     ids = _ids(n_prompt, eng.config.vocab_size)
-    from bitnet_cpu import stack_phases
-
-    rate = stack_phases.cycles_per_second()
 
     def step(tokens: list[int], pos: int) -> int:
         return int(p.argmax(tr.forward(np.asarray(tokens, dtype=np.int32), pos, all_logits=False))[0])
@@ -110,7 +109,10 @@ def worker_ours(model: str, n_prompt: int, n_decode: int, act_quant: str, lm_hea
         step(ids[:8], 0)
         step([ids[8]], 8)
 
-    warm = _warm_up(warm_steps, tr.reset)
+    warm = _warm_up(warm_steps, tr.reset, t0)
+    from bitnet_cpu import stack_phases
+
+    rate = stack_phases.cycles_per_second()
     t0 = time.perf_counter()
     tok = step(ids, 0)
     prefill_s = time.perf_counter() - t0
@@ -173,7 +175,7 @@ def worker_llama(model: str, threads: int, n_prompt: int, n_decode: int) -> dict
         step(ids[:8])
         step([ids[8]])
 
-    warm = _warm_up(warm_steps, llm.reset)
+    warm = _warm_up(warm_steps, llm.reset, t0)
     t0 = time.perf_counter()
     tok = step(ids)
     prefill_s = time.perf_counter() - t0
@@ -516,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{t:>3} our int8 head decodes {statistics.median(rounds):.2f}x our F16 head (median of the rounds' "
                   f"ratios, {min(rounds):.2f}-{max(rounds):.2f})")
         print(f"{t:>3} bandwidth probe {bandwidth[t]:.1f} GB/s; spread = max/min decode over the runs; "
-              "ready = load + what the first forward pass costs beyond a second one")
+              "ready = from the load's start to the first forward pass's end, less a second pass")
         own = [(step_gb * r["decode_tps"] / r["probe_gbps"], r["probe_gbps"]) for r in results[("ours", t)]]
         print(f"{t:>3} our decode reads at {statistics.median(s for s, _ in own):.0%} "
               f"({min(s for s, _ in own):.0%}-{max(s for s, _ in own):.0%}) of a read in its own process "

@@ -37,6 +37,21 @@ def test_a_worker_without_a_result_or_in_time_fails() -> None:
         workers.run([sys.executable, "-c", "import time; time.sleep(30)"], {}, 0.5, "ours")
 
 
+def test_ready_counts_what_the_load_left_before_the_first_pass() -> None:
+    import bench_cpu
+
+    runs: list[float] = []
+
+    def step() -> None:  # a first pass 30 ms longer than the second
+        time.sleep(0.04 if not runs else 0.01)
+        runs.append(0)
+
+    start = time.perf_counter()
+    time.sleep(0.05)  # what a load left for whatever runs next (a deferred collection lands in the prompt's ids)
+    warm_s, ready_s = bench_cpu._warm_up(step, lambda: None, start)
+    assert warm_s >= 0.04 and ready_s >= 0.05  # 0.05 + 0.04 - 0.01 less any stall of the second pass past 0.03 s
+
+
 def test_bench_cpu_refuses_an_i2_s_file_for_llama_cpp() -> None:
     r = bench_cpu("--model", default_model.path())  # llama.cpp would run the I2_S file itself
     assert r.returncode == 2
