@@ -76,7 +76,8 @@ def lookup(path: str, ident: Identity | None) -> Entry | None:
     if ident is None:
         return None
     try:
-        raw = _entry_file(path).read_bytes()
+        entry = _entry_file(path)
+        raw = entry.read_bytes()
         body = memoryview(raw)[len(_MAGIC) + _DIGEST:]
         if raw[:len(_MAGIC)] != _MAGIC or raw[len(_MAGIC):len(_MAGIC) + _DIGEST] != _digest(body):
             return None
@@ -87,7 +88,7 @@ def lookup(path: str, ident: Identity | None) -> Entry | None:
                 and isinstance(tensors, list)):
             return None
         md = {k: v[0].split("\0") if isinstance(v, tuple) else v for k, v in md.items()}
-        used(_entry_file(path))
+        used(entry)
         return Entry(ident, header_end, hh, md, tensors)
     except Exception:  # a missing, unreadable or corrupt entry is a miss, never an error
         return None
