@@ -18,6 +18,7 @@ from bitnet.modelfile import load_cache
 from bitnet.modelfile import model as model_module
 from bitnet.modelfile.model import Model, _Reader, load_model
 from bitnet.modelfile.writer import SyntheticSpec, write_model
+from bitnet.text.merges import DerivedMerges
 from bitnet.text.tokenizer import Tokenizer
 
 TEXTS = ["", "Hello world", "  a  b   c ", "1234567890 and 3.14", "I'm sure they'll say DON'T",
@@ -92,6 +93,21 @@ def test_long_string_arrays_come_back_as_the_lists_they_were(cache: Path, tmp_pa
     hit = load_cache.lookup(path, ident)
     assert hit is not None and hit.metadata == md
     assert all(type(v) is type(md[k]) for k, v in hit.metadata.items())
+
+
+@pytest.mark.parametrize(("tokenizer", "kept"), [("llama3", DerivedMerges), ("gpt2", list)])
+def test_merges_the_ids_spell_are_recorded_by_their_count(cache: Path, tmp_path: Path, tokenizer: str,
+                                                          kept: type) -> None:
+    path = write(tmp_path / "m.gguf", tokenizer=tokenizer, vocab_size=128256, dim=256, n_heads=2, n_kv_heads=1,
+                 ffn_dim=256, n_layers=1)
+    first, second = load_model(path), load_model(path)
+    merges = second.metadata["tokenizer.ggml.merges"]
+    assert type(first.metadata["tokenizer.ggml.merges"]) is list and type(merges) is kept
+    full, cached = Tokenizer.from_metadata(first.metadata), Tokenizer.from_metadata(second.metadata)
+    assert (cached._rank is None) == (kept is DerivedMerges)
+    text = " ".join([*TEXTS, "tokenizers meet words such as ducwufe and hwlfthord"])
+    assert cached.encode(text) == full.encode(text)
+    assert merges == first.metadata["tokenizer.ggml.merges"]  # (made from the tokens when read)
 
 
 def test_tq2_0_blocks_of_different_scales(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,16 +99,17 @@ def test_synthetic_metadata_shape(kind: str, n_vocab: int) -> None:
 
 
 def test_llama3_sized_metadata() -> None:
+    from bitnet.text.merges import spelled_by_ids
     from bitnet.text.synthetic_vocab import LLAMA3_MERGES, LLAMA3_NORMAL
 
     md = synthetic_tokenizer_metadata("llama3", 128256)
     tokens, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]
-    assert len(set(tokens)) == len(tokens) == 128256 and len(set(merges)) == len(merges) == LLAMA3_MERGES
+    assert len(set(tokens)) == len(tokens) == 128256 and len(set(merges)) == len(merges)
+    assert abs(len(merges) - LLAMA3_MERGES) < LLAMA3_MERGES // 500  # as many as Llama 3's, within 0.2 %
     assert md["tokenizer.ggml.token_type"].count(1) == LLAMA3_NORMAL
     assert tokens[LLAMA3_NORMAL:LLAMA3_NORMAL + 3] == ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
     assert md == synthetic_tokenizer_metadata("llama3", 128256)  # deterministic
-    learned = synthetic_tokenizer_metadata("gpt2", 128256)["tokenizer.ggml.merges"]
-    assert merges[:len(learned)] == learned  # the gpt2 vocabulary's own first
+    assert spelled_by_ids(tokens, md["tokenizer.ggml.token_type"], merges)  # written as Llama 3's are
     tok = Tokenizer.from_metadata(md)
     assert (tok.bos_id, tok.eos_id, tok.eot_id) == (128000, 128001, 128002)
     ids = tok.encode(" ".join(TEXTS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from test_tokenizer import TEXTS, _write_vocab_gguf
 
+from bitnet.text.merges import DerivedMerges
 from bitnet.text.synthetic_vocab import synthetic_tokenizer_metadata
 from bitnet.text.tokenizer import Tokenizer
 
@@ -82,7 +84,8 @@ def _stress_metadata(kind: str) -> dict[str, Any]:
 LLAMA_CPP_CONFIGS = [
     ("gpt2-llama-bpe", "gpt2", 1000, "llama-bpe"),
     ("gpt2-llama-bpe-128k", "gpt2", 128256, "llama-bpe"),
-    ("llama3-sized", "llama3", 128256, "llama-bpe"),  # 280147 merges, 150k of them spelling no token
+    ("llama3-sized", "llama3", 128256, "llama-bpe"),  # 280k merges, written as Llama 3's are
+    ("llama3-by-ids", "llama3", 128256, "llama-bpe"),  # the same, ours ranking them by ids as a load-cache hit does
     ("gpt2-stress-llama-bpe", "gpt2", "stress", "llama-bpe"),
     ("gpt2-stress-missing-pre", "gpt2", "stress", None),
     ("gpt2-stress-gpt-2", "gpt2", "stress", "gpt-2"),
@@ -91,7 +94,10 @@ LLAMA_CPP_CONFIGS = [
     ("llama-padded", "llama", 4096, "keep"),
     ("llama-stress", "llama", "stress", "keep"),
 ]
-_REFERENCE_TEXTS = [*TEXTS, "<tool>call</tool> <|im_end|>x <tool><tool>", " <|im_end|> <tool> "]
+# Made-up words, which the llama3 vocabulary's tokens of four and five short pieces (and their parts) spell.
+_RNG = random.Random(5)
+_WORDS = " ".join("".join(_RNG.choices("etaoinshrdlucmfw", k=_RNG.randint(4, 12))) for _ in range(400))
+_REFERENCE_TEXTS = [*TEXTS, "<tool>call</tool> <|im_end|>x <tool><tool>", " <|im_end|> <tool> ", _WORDS]
 
 
 @pytest.fixture(scope="session")
@@ -127,6 +133,9 @@ def pair(
     path = tmp_path_factory.mktemp("vocab") / f"{name}.gguf"
     _write_vocab_gguf(path, md)
     ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    if name.endswith("-by-ids"):
+        tokens, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]
+        md["tokenizer.ggml.merges"] = DerivedMerges(tokens, types, len(md["tokenizer.ggml.merges"]))
     _references[name] = (Tokenizer.from_metadata(md), ref)
     return _references[name]
 

@@ -12,6 +12,7 @@ import random
 from collections import Counter
 from typing import Any
 
+from bitnet.text.merges import derive
 from bitnet.text.pretokenizers import LLAMA3_REGEX
 from bitnet.text.tokenizer import (
     SPIECE_SPACE,
@@ -180,46 +181,33 @@ LLAMA3_NORMAL, LLAMA3_MERGES = 128000, 280147  # Llama 3's (and BitNet b1.58 2B-
 
 
 def _synthetic_llama3(vocab_size: int) -> dict[str, Any]:
-    """The gpt2 vocabulary, its ordinary tokens grown to Llama 3's count and its merges to Llama 3's: what a
-    load reads and builds (a tokenizer of 242 merges had hidden 0.3 s of a 2B-4T load). The tokens past the
-    learned ones join two short tokens (pseudo-random, seeded), each with its merge; the further merges are other
-    splits of a token into two tokens, then pairs of short tokens that spell no token (llama.cpp applies those
-    too, then spells the piece in single bytes)."""
+    """The gpt2 vocabulary, its ordinary tokens grown to Llama 3's count and its merges written as a tiktoken
+    conversion writes Llama 3's (bitnet.text.merges): what a load reads and builds (a tokenizer of 242 merges had
+    hidden 0.3 s of a 2B-4T load). The tokens past the learned ones join runs of four or five short tokens
+    (pseudo-random, seeded) with every run inside them, as a real vocabulary holds a word and its parts: 279888
+    merges (Llama 3: 280147)."""
     if vocab_size < LLAMA3_NORMAL + len(_GPT2_SPECIALS):
         raise ValueError(f"llama3 synthetic vocab needs at least {LLAMA3_NORMAL + len(_GPT2_SPECIALS)} tokens")
     md = _synthetic_gpt2(vocab_size)
-    tokens, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]
+    tokens = md["tokenizer.ggml.tokens"]
     n_learned = tokens.index(_GPT2_SPECIALS[0])
     normal = tokens[:n_learned]
     known, rng = set(normal), random.Random(3)
-    short = [t for t in normal if t.isalpha() and len(t) <= 3]
+    short = [t for t in normal if t.isalpha() and len(t) <= 2]
     while len(normal) < LLAMA3_NORMAL:
-        a, b = rng.choice(short), rng.choice(short)
-        if a + b not in known and len(a + b) <= 9:
-            known.add(a + b)
-            normal.append(a + b)
-            merges.append(f"{a} {b}")
-            if len(a + b) <= 4:
-                short.append(a + b)
-    have = set(merges)
-    for t in itertools.islice(normal, 256, None):
-        if len(merges) >= LLAMA3_MERGES:
-            break
-        for k in range(1, len(t)):
-            m = f"{t[:k]} {t[k:]}"
-            if m not in have and t[:k] in known and t[k:] in known:
-                have.add(m)
-                merges.append(m)
-    while len(merges) < LLAMA3_MERGES:
-        m = f"{rng.choice(short)} {rng.choice(short)}"
-        if m not in have:
-            have.add(m)
-            merges.append(m)
-    del merges[LLAMA3_MERGES:]
+        k = 5 if rng.random() < 0.45 else 4
+        pieces = [rng.choice(short) for _ in range(k)]
+        for n in range(2, k + 1):
+            for i in range(k - n + 1):
+                t = "".join(pieces[i:i + n])
+                if t not in known and len(normal) < LLAMA3_NORMAL:
+                    known.add(t)
+                    normal.append(t)
     specials = tokens[n_learned:n_learned + len(_GPT2_SPECIALS)]
     md["tokenizer.ggml.tokens"] = normal + specials + [f"<|reserved_special_token_{i}|>" for i in
                                                        range(vocab_size - len(normal) - len(specials))]
     md["tokenizer.ggml.token_type"] = [TOKEN_NORMAL] * len(normal) + [TOKEN_CONTROL] * (vocab_size - len(normal))
+    md["tokenizer.ggml.merges"] = derive(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"])
     for key, k in (("bos", 0), ("eos", 1), ("eot", 2)):
         md[f"tokenizer.ggml.{key}_token_id"] = len(normal) + k
     return md
@@ -243,7 +231,7 @@ def synthetic_tokenizer_metadata(kind: str, vocab_size: int) -> dict[str, Any]:
     ``<|begin_of_text|>``/``<|end_of_text|>``/``<|eot_id|>`` control tokens, pre-tokenizer
     ``llama-bpe``) or ``"llama"`` (SentencePiece style: ``<unk>``, ``<s>``, ``</s>``, 256
     ``<0xXX>`` byte tokens, scored ``▁`` pieces); ``"llama3"`` is gpt2 with Llama 3's 128000 ordinary
-    tokens and 280147 merges (see _synthetic_llama3). The vocabulary has exactly ``vocab_size``
+    tokens and as many merges, as Llama 3 writes them (see _synthetic_llama3). The vocabulary has exactly ``vocab_size``
     tokens: beyond what the built-in training text yields it is padded with tokens that
     ordinary text never produces (gpt2: ``<|reserved_special_token_N|>``, control type;
     llama: ``<reserved_N>``, unused type).

@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bitnet.errors import ModelError
+from bitnet.text.merges import DerivedMerges
 from bitnet.text.pretokenizers import PRE_TYPES
 from bitnet.text.special_tokens import SpecialTokens
 
@@ -263,10 +264,14 @@ class Tokenizer:
             split = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
             byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
             self._pre = pre_tokenizers.Sequence([*split, byte_level])
-            # "left right" -> rank, as the file spells each merge. A repeated merge keeps its first rank
-            # (llama.cpp's bpe_ranks.emplace): the reversed pairs let the earlier one overwrite.
-            merges = list(merges or ())
-            self._ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1), strict=True))
+            # Merges a tiktoken conversion wrote rank by the ids they join (text/merges.py, `_id_rank`).
+            self._rank: Callable[[str, str], int | None] | None = None
+            if not isinstance(merges, DerivedMerges):
+                # "left right" -> rank, as the file spells each merge. A repeated merge keeps its first rank
+                # (llama.cpp's bpe_ranks.emplace): the reversed pairs let the earlier one overwrite.
+                merges = list(merges or ())
+                ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1), strict=True))
+                self._rank = lambda a, b: ranks.get(a + " " + b)
             self._words: dict[str, list[int]] = {}  # pieces tokenized so far (a bounded cache)
 
     # -- construction --------------------------------------------------------------------
@@ -305,7 +310,7 @@ class Tokenizer:
         else:
             bos, eos, unk = 11, 11, None
             raw_merges = md.get(_PREFIX + "merges")
-            if (
+            if not isinstance(raw_merges, DerivedMerges) and (
                 isinstance(raw_merges, (str, bytes))
                 or not hasattr(raw_merges, "__len__")
                 or not set(map(type, raw_merges)) <= {str}
@@ -443,13 +448,13 @@ class Tokenizer:
         is one token (with ignore_merges); else the adjacent pair of the lowest merge rank is merged first (ties:
         leftmost), and a piece no token spells gives the tokens of its single bytes (those that have one). Kept for
         the next time (in a bounded cache)."""
-        vocab, ranks, out = self._token_to_id, self._ranks, self._words.get(word)
+        vocab, out = self._token_to_id, self._words.get(word)
         if out is not None:
             return out
         if self._ignore_merges and word in vocab:
             return [vocab[word]]
         out = []
-        for piece in _merge(word, lambda a, b: ranks.get(a + " " + b)):
+        for piece in _merge(word, self._rank or self._id_rank):
             if piece in vocab:
                 out.append(vocab[piece])
             else:  # (a byte past 0x7F alone is no UTF-8 text, so no token's)
@@ -459,6 +464,17 @@ class Tokenizer:
                 self._words.clear()
             self._words[word] = out
         return out
+
+    def _id_rank(self, left: str, right: str) -> int | None:
+        """The rank of merging two ordinary tokens into a third, as a tiktoken conversion orders its merges: by the
+        merged token's id, then the left's, then the right's."""
+        vocab, attrs, n = self._token_to_id, self.attrs, self.n_vocab
+        if (t := vocab.get(left + right)) is None or not attrs[t] & _ATTR_NORMAL:
+            return None
+        a, b = vocab.get(left), vocab.get(right)
+        if a is None or b is None or not attrs[a] & attrs[b] & _ATTR_NORMAL:
+            return None
+        return (t * n + a) * n + b
 
     def _byte_token(self, b: int) -> int:
         tid = self._token_to_id.get(f"<0x{b:02X}>")
