@@ -36,7 +36,7 @@ own file (`--bitnet-cpp-model`: the same I2_S tensors written with `--arch bitne
 architecture its llama.cpp fork knows): prefill from its llama-bench, decode after the prompt from the llama-cli
 beside it; no load time or RSS.
 Models: `python -m bitnet.modelfile.writer OUT --preset 2b4t --arch bitnet --weight-type tq2_0` (its vocabulary has
-Llama 3's 128256 tokens and 280147 merges, as 2B-4T's: what a load parses and builds).
+Llama 3's 128256 tokens and 279888 merges, written as 2B-4T's 280147 are: what a load parses and builds).
 """
 
 from __future__ import annotations
