@@ -35,6 +35,11 @@ def test_vocabularies_whose_merges_the_ids_cannot_rank(tokens: list[str], why: s
     assert not spelled_by_ids(tokens, None, derive(tokens[:1], None))
 
 
+@pytest.mark.parametrize("tokens", [[1, 2, 12], ["a", ["b"], "ab"], []])
+def test_tokens_that_are_no_strings_are_no_such_vocabulary(tokens: list) -> None:
+    assert not spelled_by_ids(tokens, None, ["1 2"])  # and no error: the tokenizer refuses them in one line
+
+
 @pytest.mark.parametrize("merges", [MERGES[:-1], [*MERGES, "a c"], [MERGES[1], MERGES[0], *MERGES[2:]],
                                     ["a b", "b c", "ab c", "a bc"], ("a b", "b c", "a bc", "ab c")],
                          ids=["one missing", "one more", "reordered", "reordered within a token", "not a list"])

@@ -52,7 +52,8 @@ def derive(tokens: Sequence[str], types: Sequence[int] | None) -> list[str] | No
 
 def spelled_by_ids(tokens: Any, types: Any, merges: Any) -> bool:
     """Whether `merges` is exactly `derive`'s list for these tokens (each argument as metadata holds it)."""
-    if not all(isinstance(v, list) for v in (tokens, merges)) or not isinstance(types, (list, type(None))):
+    if (not all(isinstance(v, list) for v in (tokens, merges)) or not isinstance(types, (list, type(None)))
+            or set(map(type, tokens)) != {str}):  # (a corrupt file's tokens are the tokenizer's to refuse)
         return False
     chunks = _by_token(tokens, types)
     if chunks is None:
