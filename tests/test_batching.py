@@ -160,7 +160,9 @@ def test_cancel_frees_the_slot_at_the_next_step(engine: Engine) -> None:
 def test_the_queue_is_bounded(engine: Engine) -> None:
     kwargs = dict(max_tokens=50, logit_bias=no_eog(engine))
     with Scheduler(engine, n_slots=1, max_queue=1) as s:
-        s.submit(PROMPTS[0], **kwargs)
+        # The slot's request runs (its first token is out) and has 199 to go, so it still holds the slot while the
+        # next two are submitted: with 50 tokens, not yet started, it had finished first on a loaded CI host.
+        next(iter(s.submit(PROMPTS[0], **{**kwargs, "max_tokens": 200})))
         s.submit(PROMPTS[1], **kwargs)
         with pytest.raises(QueueFull, match="the bound is 1"):
             s.submit(PROMPTS[2], **kwargs)
