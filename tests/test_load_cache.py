@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_merges import WORDS
 
 from bitnet.errors import ModelError
 from bitnet.modelfile import load_cache
@@ -105,7 +106,7 @@ def test_merges_the_ids_spell_are_recorded_by_their_count(cache: Path, tmp_path:
     assert type(first.metadata["tokenizer.ggml.merges"]) is list and type(merges) is kept
     full, cached = Tokenizer.from_metadata(first.metadata), Tokenizer.from_metadata(second.metadata)
     assert (cached._rank is None) == (kept is DerivedMerges)
-    text = " ".join([*TEXTS, "tokenizers meet words such as ducwufe and hwlfthord"])
+    text = " ".join([*TEXTS, WORDS])
     assert cached.encode(text) == full.encode(text)
     assert merges == first.metadata["tokenizer.ggml.merges"]  # (made from the tokens when read)
 

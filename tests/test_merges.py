@@ -15,6 +15,7 @@ from bitnet.text.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer
 # a b c ab bc abc: "abc" splits as a|bc (ids 0, 4) and ab|c (3, 2), ranked by the left piece's id.
 TOKENS = ["a", "b", "c", "ab", "bc", "abc"]
 MERGES = ["a b", "b c", "a bc", "ab c"]
+# Made-up words, which the llama3 vocabulary's tokens of four and five short pieces (and their parts) spell.
 _RNG = random.Random(7)
 WORDS = " ".join("".join(_RNG.choices("etaoinshrdlucmfw", k=_RNG.randint(4, 12))) for _ in range(300))
 

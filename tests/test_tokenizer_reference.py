@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import random
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from test_merges import WORDS
 from test_tokenizer import TEXTS, _write_vocab_gguf
 
 from bitnet.text.merges import DerivedMerges
@@ -94,10 +94,7 @@ LLAMA_CPP_CONFIGS = [
     ("llama-padded", "llama", 4096, "keep"),
     ("llama-stress", "llama", "stress", "keep"),
 ]
-# Made-up words, which the llama3 vocabulary's tokens of four and five short pieces (and their parts) spell.
-_RNG = random.Random(5)
-_WORDS = " ".join("".join(_RNG.choices("etaoinshrdlucmfw", k=_RNG.randint(4, 12))) for _ in range(400))
-_REFERENCE_TEXTS = [*TEXTS, "<tool>call</tool> <|im_end|>x <tool><tool>", " <|im_end|> <tool> ", _WORDS]
+_REFERENCE_TEXTS = [*TEXTS, "<tool>call</tool> <|im_end|>x <tool><tool>", " <|im_end|> <tool> ", WORDS]
 
 
 @pytest.fixture(scope="session")

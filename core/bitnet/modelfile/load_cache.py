@@ -113,10 +113,9 @@ def store(path: str, ident: Identity | None, data: Any, header_end: int, metadat
     if ident is None:
         return
     try:
-        md = {k: _joined(v) for k, v in metadata.items()}
         merges = metadata.get(_MERGES)
-        if spelled_by_ids(metadata.get(_TOKENS), metadata.get(_TYPES), merges):
-            md[_MERGES] = ("derived", len(merges))
+        derived = spelled_by_ids(metadata.get(_TOKENS), metadata.get(_TYPES), merges)
+        md = {k: ("derived", len(merges)) if derived and k == _MERGES else _joined(v) for k, v in metadata.items()}
         body = marshal.dumps((_stamp(), os.path.abspath(path), ident, header_end, header_hash(data, header_end),
                               md, tensors))
         write_entry(_entry_file(path), lambda f: f.write(_MAGIC + _digest(body) + body), MAX_ENTRIES)

@@ -19,35 +19,35 @@ from typing import Any
 TOKEN_NORMAL = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
 
 
-def _by_token(tokens: Sequence[str], types: Sequence[int] | None) -> Iterator[list[str]] | None:
-    """Each ordinary token's merges in rank order, token by token; None when the merge keys would not be one-to-one
-    with the merges: two tokens spell the same text (the token map keeps only one), one is empty, or an ordinary one
-    holds a space (then "a b" + "c" and "a" + "b c" write the same merge)."""
+def _ordinary_ids(tokens: Sequence[str], types: Sequence[int] | None) -> dict[str, int] | None:
+    """The ordinary tokens' ids, by text; None when the merge keys would not be one-to-one with the merges: two tokens
+    spell the same text (the token map keeps only one), one is empty, or an ordinary one holds a space (then "a b" +
+    "c" and "a" + "b c" write the same merge)."""
     if types is not None and len(types) < len(tokens):
         return None
     ids = {t: i for i, t in enumerate(tokens)}
     normal = [True] * len(tokens) if types is None else [t == TOKEN_NORMAL for t in types]
     if len(ids) != len(tokens) or "" in ids or any(" " in t for t, i in ids.items() if normal[i]):
         return None
-    ordinary = {t: i for t, i in ids.items() if normal[i]}
+    return {t: i for t, i in ids.items() if normal[i]}
+
+
+def _by_token(ordinary: dict[str, int]) -> Iterator[list[str]]:
+    """Each ordinary token's merges in rank order, token by token (the map keeps its insertion order: ids')."""
     get = ordinary.get
-
-    def merges() -> Iterator[list[str]]:
-        for t in ordinary:  # in id order: the map keeps its insertion order
-            if len(t) > 1:
-                splits = [(left, right, k) for k in range(1, len(t))
-                          if (left := get(t[:k])) is not None and (right := get(t[k:])) is not None]
-                splits.sort()
-                yield [f"{t[:k]} {t[k:]}" for _, _, k in splits]
-
-    return merges()
+    for t in ordinary:
+        if len(t) > 1:
+            splits = [(left, right, k) for k in range(1, len(t))
+                      if (left := get(t[:k])) is not None and (right := get(t[k:])) is not None]
+            splits.sort()
+            yield [f"{t[:k]} {t[k:]}" for _, _, k in splits]
 
 
 def derive(tokens: Sequence[str], types: Sequence[int] | None) -> list[str] | None:
     """The merges ("left right", in rank order) that a tiktoken conversion writes for this vocabulary (its
     normal-typed tokens; all of them without types), or None when they would not rank as their ids do."""
-    chunks = _by_token(tokens, types)
-    return None if chunks is None else [m for chunk in chunks for m in chunk]
+    ordinary = _ordinary_ids(tokens, types)
+    return None if ordinary is None else [m for chunk in _by_token(ordinary) for m in chunk]
 
 
 def spelled_by_ids(tokens: Any, types: Any, merges: Any) -> bool:
@@ -55,11 +55,11 @@ def spelled_by_ids(tokens: Any, types: Any, merges: Any) -> bool:
     if (not all(isinstance(v, list) for v in (tokens, merges)) or not isinstance(types, (list, type(None)))
             or set(map(type, tokens)) != {str}):  # (a corrupt file's tokens are the tokenizer's to refuse)
         return False
-    chunks = _by_token(tokens, types)
-    if chunks is None:
+    ordinary = _ordinary_ids(tokens, types)
+    if ordinary is None:
         return False
     at = 0
-    for chunk in chunks:
+    for chunk in _by_token(ordinary):
         if merges[at:at + len(chunk)] != chunk:
             return False
         at += len(chunk)
