@@ -516,13 +516,15 @@ def main(argv: list[str] | None = None) -> int:
             pairs = zip(results[("ours", t)], results[("ours_f16", t)], strict=True)
             rounds = [q["decode_tps"] / f["decode_tps"] for q, f in pairs]
             print(f"{t:>3} our int8 head decodes {statistics.median(rounds):.2f}x our F16 head (median of the rounds' "
-                  f"ratios, {min(rounds):.2f}-{max(rounds):.2f})")
+                  f"ratios, {min(rounds):.2f}-{max(rounds):.2f}); the bytes a step reads bound it at "
+                  f"{f16_step_gb / step_gb:.2f}x")
         print(f"{t:>3} bandwidth probe {bandwidth[t]:.1f} GB/s; spread = max/min decode over the runs; "
               "ready = from the load's start to the first forward pass's end, less a second pass")
         own = [(step_gb * r["decode_tps"] / r["probe_gbps"], r["probe_gbps"]) for r in results[("ours", t)]]
         print(f"{t:>3} our decode reads at {statistics.median(s for s, _ in own):.0%} "
               f"({min(s for s, _ in own):.0%}-{max(s for s, _ in own):.0%}) of a read in its own process "
-              f"({min(g for _, g in own):.1f}-{max(g for _, g in own):.1f} GB/s)")
+              f"({min(g for _, g in own):.1f}-{max(g for _, g in own):.1f} GB/s, spread "
+              f"{max(g for _, g in own) / min(g for _, g in own):.2f})")
         phases = [r["stack_phases"] for r in results[("ours", t)] if r.get("stack_phases")]
         if phases:
             ms = {k: 1e3 * statistics.median(ph[k] for ph in phases) for k in phases[0]}
@@ -536,6 +538,13 @@ def main(argv: list[str] | None = None) -> int:
             shares = ", ".join(f"{names[k]} {med(k, t, 'prefill_tps') / limit:.0%}" for k in engines)
             print(f"{t:>3} multiply probe ({level}) {compute[t]:.1f} G int8 products/s: prefill limit {limit:.2f} t/s "
                   f"at {products / 1e9:.2f} G ternary products per token; prefill at {shares} of it")
+    for t in threads[1:]:  # round by round: run k's processes at each thread count ran minutes apart at most
+        pairs = list(zip(results[("ours", threads[0])], results[("ours", t)], strict=True))
+        decode = [b["decode_tps"] / a["decode_tps"] for a, b in pairs]
+        read = [b["probe_gbps"] / a["probe_gbps"] for a, b in pairs]
+        print(f"{t:>3} threads decode {statistics.median(decode):.2f}x {threads[0]} ({min(decode):.2f}-"
+              f"{max(decode):.2f}); the same processes' own reads scaled {statistics.median(read):.2f}x "
+              f"({min(read):.2f}-{max(read):.2f}): a decode bound by memory scales no further than its reads")
     accuracy = spawn("accuracy", args, args.model, threads[-1]) if head_format == "q8" else {}
     if accuracy:
         print(f"LM head q8 vs f16 over {accuracy['positions']} positions of the cross-validation prompts: "
