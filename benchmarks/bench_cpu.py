@@ -544,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         read = [b["probe_gbps"] / a["probe_gbps"] for a, b in pairs]
         print(f"{t:>3} threads decode {statistics.median(decode):.2f}x {threads[0]} ({min(decode):.2f}-"
               f"{max(decode):.2f}); the same processes' own reads scaled {statistics.median(read):.2f}x "
-              f"({min(read):.2f}-{max(read):.2f}): a decode bound by memory scales no further than its reads")
+              f"({min(read):.2f}-{max(read):.2f}; each read runs after its process's decode, and the host's memory "
+              "can change speed between the two)")
     accuracy = spawn("accuracy", args, args.model, threads[-1]) if head_format == "q8" else {}
     if accuracy:
         print(f"LM head q8 vs f16 over {accuracy['positions']} positions of the cross-validation prompts: "
