@@ -20,7 +20,9 @@ bitnet_cpu.stack_phases): the projections' time and their weight bytes' rate aga
 serial steps between phases and the waiting, per thread.
 With an int8 LM head (`--lm-head q8`, or `auto` on a file whose head is stored quantized) it also
 prints the head's accuracy against the F16 head, from one more process: top-1 agreement and mean
-KL divergence over the cross-validation prompts (bitnet.testing.crossval).
+KL divergence over the cross-validation prompts (bitnet.testing.crossval). Beside the int8 head's decode ratio
+to the F16 head (`--with-f16-head`) it prints the bound the bytes of a step set on it; beside two threads' decode
+against one, round by round, how the same processes' own reads scaled.
 `--busy N` keeps N processes spinning on the CPU through every run, a shared machine made on purpose:
 how much of its speed each engine keeps when a co-tenant takes cores from it.
 Our KV cache is F16 (`--kv-type`), as llama.cpp's and bitnet.cpp's are by default: attention reads the same bytes
