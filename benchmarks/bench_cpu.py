@@ -522,11 +522,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f16_step_gb / step_gb:.2f}x")
         print(f"{t:>3} bandwidth probe {bandwidth[t]:.1f} GB/s; spread = max/min decode over the runs; "
               "ready = from the load's start to the first forward pass's end, less a second pass")
-        own = [(step_gb * r["decode_tps"] / r["probe_gbps"], r["probe_gbps"]) for r in results[("ours", t)]]
-        print(f"{t:>3} our decode reads at {statistics.median(s for s, _ in own):.0%} "
-              f"({min(s for s, _ in own):.0%}-{max(s for s, _ in own):.0%}) of a read in its own process "
-              f"({min(g for _, g in own):.1f}-{max(g for _, g in own):.1f} GB/s, spread "
-              f"{max(g for _, g in own) / min(g for _, g in own):.2f})")
+        reads = [r["probe_gbps"] for r in results[("ours", t)]]
+        of_read = [step_gb * r["decode_tps"] / r["probe_gbps"] for r in results[("ours", t)]]
+        print(f"{t:>3} our decode reads at {statistics.median(of_read):.0%} ({min(of_read):.0%}-{max(of_read):.0%}) "
+              f"of a read in its own process ({min(reads):.1f}-{max(reads):.1f} GB/s, spread "
+              f"{max(reads) / min(reads):.2f})")
         phases = [r["stack_phases"] for r in results[("ours", t)] if r.get("stack_phases")]
         if phases:
             ms = {k: 1e3 * statistics.median(ph[k] for ph in phases) for k in phases[0]}
